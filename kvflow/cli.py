@@ -1,0 +1,139 @@
+"""The ``kvflow`` command line.
+
+Every sub-command is a thin shell over a library function: it parses flags, calls, and prints.
+Errors the user can fix are printed in one line (``kvflow <cmd>: …``) with exit status 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from collections.abc import Callable
+from typing import Annotated, TypeVar
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from sqlalchemy.exc import SQLAlchemyError
+
+from kvflow.stack import Stack, StackError
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, help="kvflow: see and use the KV cache of an LLM inference fleet.")
+stack_app = typer.Typer(no_args_is_help=True, help="The local development stack (Kafka + PostgreSQL).")
+db_app = typer.Typer(no_args_is_help=True, help="Database schema migrations (Alembic).")
+app.add_typer(stack_app, name="stack")
+app.add_typer(db_app, name="db")
+
+console = Console()
+err = Console(stderr=True)
+T = TypeVar("T")
+
+
+def _fail(cmd: str, message: str) -> None:
+    err.print(f"[bold red]kvflow {cmd}:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(1)
+
+
+def _first_line(exc: BaseException) -> str:
+    orig = getattr(exc, "orig", None) or exc
+    return (str(orig).strip().splitlines() or [""])[0]
+
+
+def guarded(cmd: str, fn: Callable[[], T]) -> T:
+    """Run fn; a StackError (or another expected failure) becomes one line and exit 1."""
+    try:
+        return fn()
+    except StackError as exc:
+        _fail(cmd, str(exc))
+    except (OSError, SQLAlchemyError) as exc:
+        if os.environ.get("KVFLOW_DEBUG"):
+            raise
+        _fail(cmd, f"{type(exc).__name__}: {_first_line(exc)} (KVFLOW_DEBUG=1 for the traceback)")
+    except KeyboardInterrupt:
+        _fail(cmd, "interrupted")
+    raise AssertionError("unreachable")
+
+
+@stack_app.command("up")
+def stack_up() -> None:
+    """Start Apache Kafka (KRaft) and PostgreSQL; a no-op for what already runs."""
+    stack = Stack()
+    result = guarded("stack up", lambda: stack.up(say=lambda m: console.print(f"[dim]{m}[/]")))
+    for name, state in result.items():
+        console.print(f"[green]{name}[/]: {state}")
+    _print_status(stack)
+
+
+@stack_app.command("down")
+def stack_down() -> None:
+    """Stop exactly what `kvflow stack up` started."""
+    stack = Stack()
+    result = guarded("stack down", stack.down)
+    for name, state in result.items():
+        console.print(f"{name}: {state}")
+
+
+@stack_app.command("status")
+def stack_status() -> None:
+    """Say what runs where."""
+    _print_status(Stack())
+
+
+def _print_status(stack: Stack) -> None:
+    table = Table(title="kvflow local stack")
+    for col in ("service", "state", "address", "pid", "detail"):
+        table.add_column(col)
+    for s in guarded("stack status", stack.status):
+        color = {"running": "green", "external": "cyan"}.get(s.state, "yellow")
+        table.add_row(s.name, f"[{color}]{s.state}[/]", s.address, str(s.pid or "-"), s.detail)
+    console.print(table)
+    console.print(f"KVFLOW_KAFKA_BOOTSTRAP={stack.kafka.address}", highlight=False)
+    from kvflow.stack import _redact
+
+    console.print(f"KVFLOW_DATABASE_URL={_redact(stack.database_url)}", highlight=False)
+
+
+@db_app.command("upgrade")
+def db_upgrade(
+    revision: Annotated[str, typer.Argument(help="Target revision.")] = "head",
+    url: Annotated[str | None, typer.Option(help="Database URL (default: KVFLOW_DATABASE_URL).")] = None,
+) -> None:
+    """Apply migrations up to REVISION (default: head)."""
+    from migrations import upgrade
+
+    guarded("db upgrade", lambda: upgrade(revision, url=url))
+    console.print(f"database at {revision}")
+
+
+@db_app.command("downgrade")
+def db_downgrade(
+    revision: Annotated[str, typer.Argument(help="Target revision, e.g. -1 or base.")],
+    url: Annotated[str | None, typer.Option(help="Database URL (default: KVFLOW_DATABASE_URL).")] = None,
+) -> None:
+    """Revert migrations down to REVISION."""
+    from migrations import downgrade
+
+    guarded("db downgrade", lambda: downgrade(revision, url=url))
+    console.print(f"database at {revision}")
+
+
+@db_app.command("current")
+def db_current(
+    url: Annotated[str | None, typer.Option(help="Database URL (default: KVFLOW_DATABASE_URL).")] = None,
+) -> None:
+    """Print the revision the database is at."""
+    from migrations import current
+
+    console.print(guarded("db current", lambda: asyncio.run(current(url=url))) or "(empty)")
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

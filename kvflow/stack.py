@@ -1,0 +1,636 @@
+"""The local development stack: a real Apache Kafka broker (KRaft) and a private PostgreSQL.
+
+No Docker: Kafka's jars are resolved from Maven Central through ``deploy/kafka/pom.xml`` (once,
+then cached), its storage is formatted with Kafka's own ``StorageTool`` and the broker runs with
+``java``; PostgreSQL is a cluster created with the installed server binaries (``initdb``) in a
+git-ignored folder, on its own port. ``KVFLOW_DATABASE_URL`` names an existing server instead.
+
+Everything the stack writes lives under one state folder (``.kvflow/`` in the project, or
+``KVFLOW_STACK_HOME``): jars, data, logs (``logs/``) and the pid files through which ``down``
+stops exactly what ``up`` started. ``up`` is idempotent.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+#: PostgreSQL refuses to run as root; as root we run its binaries as this user.
+PG_OS_USER = "postgres"
+
+
+class StackError(RuntimeError):
+    """A problem the user can fix, told in one line (never a stack trace)."""
+
+
+class StackSettings(BaseSettings):
+    """Where the local stack lives and listens (``KVFLOW_STACK_…``)."""
+
+    model_config = SettingsConfigDict(env_prefix="KVFLOW_STACK_", extra="ignore")
+
+    home: Path | None = Field(
+        default=None, description="State folder (jars, data, logs, pids); default <project>/.kvflow."
+    )
+    kafka_port: int = Field(default=9092, description="Kafka client listener on localhost.")
+    kafka_controller_port: int = Field(default=9093, description="KRaft controller listener.")
+    kafka_heap: str = Field(default="768m", description="Maximum JVM heap of the broker.")
+    postgres_port: int = Field(default=55432, description="Port of the private PostgreSQL.")
+    start_timeout_s: float = Field(default=120.0, description="How long `up` waits for each service.")
+
+
+def project_dir() -> Path:
+    """The kvflow checkout: the folder holding ``deploy/kafka/pom.xml``.
+
+    ``KVFLOW_PROJECT_DIR`` wins; otherwise the folder above this package (an editable install, as
+    ``make`` creates), then the current directory and its parents.
+    """
+    candidates: list[Path] = []
+    if env := os.environ.get("KVFLOW_PROJECT_DIR"):
+        candidates.append(Path(env))
+    candidates.append(Path(__file__).resolve().parents[1])
+    cwd = Path.cwd().resolve()
+    candidates.extend([cwd, *cwd.parents])
+    for c in candidates:
+        if (c / "deploy" / "kafka" / "pom.xml").is_file():
+            return c
+    raise StackError(
+        "cannot find the kvflow checkout (deploy/kafka/pom.xml); run from it or set KVFLOW_PROJECT_DIR"
+    )
+
+
+@dataclass(frozen=True)
+class Paths:
+    project: Path
+    home: Path
+
+    @property
+    def deploy(self) -> Path:
+        return self.project / "deploy"
+
+    @property
+    def logs(self) -> Path:
+        return self.home / "logs"
+
+    @property
+    def kafka(self) -> Path:
+        return self.home / "kafka"
+
+    @property
+    def kafka_libs(self) -> Path:
+        return self.kafka / "libs"
+
+    @property
+    def kafka_data(self) -> Path:
+        return self.kafka / "data"
+
+    @property
+    def kafka_conf(self) -> Path:
+        return self.kafka / "server.properties"
+
+    @property
+    def kafka_pid(self) -> Path:
+        return self.kafka / "kafka.pid"
+
+
+def is_root() -> bool:
+    return os.geteuid() == 0
+
+
+def port_open(port: int, host: str = "127.0.0.1", timeout: float = 0.5) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=timeout):
+        return True
+    return False
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (exited, not reaped) counts as dead.
+    with contextlib.suppress(OSError):
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        if stat.rsplit(")", 1)[1].split()[0] == "Z":
+            return False
+    return True
+
+
+def pid_cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def wait_until(check: Callable[[], bool], timeout: float, interval: float = 0.25) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(interval)
+    return check()
+
+
+def run(cmd: Sequence[str], *, log: Path | None = None, timeout: float = 600,
+        env: dict[str, str] | None = None, what: str) -> subprocess.CompletedProcess[str]:
+    """Run a helper command; on failure raise StackError with the tail of its output."""
+    try:
+        proc = subprocess.run(
+            list(cmd), capture_output=True, text=True, timeout=timeout, env=env, check=False
+        )
+    except FileNotFoundError as exc:
+        raise StackError(f"{what}: {cmd[0]} not found") from exc
+    except subprocess.TimeoutExpired as exc:
+        raise StackError(f"{what}: timed out after {timeout:.0f} s") from exc
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("a") as f:
+            f.write(f"$ {' '.join(cmd)}\n{proc.stdout}{proc.stderr}\n")
+    if proc.returncode != 0:
+        detail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+        raise StackError(f"{what} failed (exit {proc.returncode}): {' | '.join(detail)}")
+    return proc
+
+
+# --------------------------------------------------------------------------------------------
+# Apache Kafka
+
+
+class Kafka:
+    """A single KRaft node (broker and controller in one JVM) run from Maven Central jars."""
+
+    def __init__(self, paths: Paths, settings: StackSettings) -> None:
+        self.paths = paths
+        self.settings = settings
+
+    @property
+    def address(self) -> str:
+        return f"localhost:{self.settings.kafka_port}"
+
+    # -- jars
+    def _pom(self) -> Path:
+        return self.paths.deploy / "kafka" / "pom.xml"
+
+    def _pom_digest(self) -> str:
+        return hashlib.sha256(self._pom().read_bytes()).hexdigest()
+
+    def jars_ready(self) -> bool:
+        marker = self.paths.kafka_libs / ".pom-sha256"
+        return marker.is_file() and marker.read_text().strip() == self._pom_digest()
+
+    def ensure_jars(self, say: Callable[[str], None]) -> None:
+        """Resolve the broker's jars from Maven Central once; reuse them while the pom is unchanged."""
+        if self.jars_ready():
+            return
+        mvn = shutil.which("mvn")
+        if mvn is None:
+            raise StackError(
+                "Maven (mvn) not found: it resolves Kafka's jars once; install it "
+                "(Debian: apt-get install maven)"
+            )
+        say("resolving Apache Kafka jars from Maven Central (first run only)…")
+        staging = self.paths.kafka / "libs.partial"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        run(
+            [mvn, "-q", "-B", "-f", str(self._pom()), "dependency:copy-dependencies",
+             "-DincludeScope=runtime", f"-DoutputDirectory={staging}"],
+            log=self.paths.logs / "maven.log", timeout=1200, what="resolving Kafka jars with Maven",
+        )
+        (staging / ".pom-sha256").write_text(self._pom_digest())
+        shutil.rmtree(self.paths.kafka_libs, ignore_errors=True)
+        staging.rename(self.paths.kafka_libs)
+
+    # -- configuration and storage
+    def _java(self) -> str:
+        home = os.environ.get("JAVA_HOME")
+        java = str(Path(home) / "bin" / "java") if home and (Path(home) / "bin" / "java").is_file() \
+            else shutil.which("java")
+        if java is None:
+            raise StackError(
+                "Java not found: Apache Kafka 4 needs Java 17 or newer; install it "
+                "(Debian: apt-get install openjdk-17-jre-headless)"
+            )
+        return java
+
+    def _java_cmd(self, main: str, *args: str, heap: str = "256m") -> list[str]:
+        return [
+            self._java(), f"-Xmx{heap}", "-Xms128m", "-XX:+UseG1GC",
+            "-Djava.awt.headless=true",
+            f"-Dlog4j2.configurationFile={self.paths.deploy / 'kafka' / 'log4j2.yaml'}",
+            f"-Dkafka.logs.dir={self.paths.logs / 'kafka'}",
+            "-cp", f"{self.paths.kafka_libs}/*", main, *args,
+        ]
+
+    def write_config(self) -> None:
+        """The checked-in server.properties, plus the listeners and folders of this stack."""
+        s = self.settings
+        base = (self.paths.deploy / "kafka" / "server.properties").read_text()
+        overrides = {
+            "listeners": f"PLAINTEXT://localhost:{s.kafka_port},CONTROLLER://localhost:{s.kafka_controller_port}",
+            "advertised.listeners": f"PLAINTEXT://localhost:{s.kafka_port}",
+            "controller.quorum.voters": f"1@localhost:{s.kafka_controller_port}",
+            "log.dirs": str(self.paths.kafka_data),
+        }
+        lines = [ln for ln in base.splitlines() if ln.split("=", 1)[0].strip() not in overrides]
+        lines.append("\n# Written by kvflow/stack.py for this stack:")
+        lines.extend(f"{k}={v}" for k, v in overrides.items())
+        self.paths.kafka_conf.write_text("\n".join(lines) + "\n")
+
+    def ensure_formatted(self) -> None:
+        if (self.paths.kafka_data / "meta.properties").is_file():
+            return
+        # A KRaft cluster id is 16 random bytes in URL-safe base64 without padding.
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        self.paths.kafka_data.mkdir(parents=True, exist_ok=True)
+        run(
+            self._java_cmd("kafka.tools.StorageTool", "format", "-t", cluster_id,
+                           "-c", str(self.paths.kafka_conf), "--ignore-formatted"),
+            log=self.paths.logs / "kafka-format.log", timeout=120,
+            what="formatting Kafka storage",
+        )
+
+    # -- process
+    def pid(self) -> int | None:
+        """The pid of the broker this stack started, if it still runs."""
+        try:
+            pid = int(self.paths.kafka_pid.read_text().strip())
+        except (OSError, ValueError):
+            return None
+        if pid_alive(pid) and "kafka.Kafka" in pid_cmdline(pid) and str(self.paths.kafka_conf) in pid_cmdline(pid):
+            return pid
+        return None
+
+    def ready(self) -> bool:
+        from confluent_kafka.admin import AdminClient
+
+        if not port_open(self.settings.kafka_port):
+            return False
+        try:
+            md = AdminClient({"bootstrap.servers": self.address, "socket.timeout.ms": 2000}).list_topics(timeout=3)
+        except Exception:
+            return False
+        return bool(md.brokers)
+
+    def up(self, say: Callable[[str], None]) -> str:
+        if self.pid() is not None:
+            if not wait_until(self.ready, self.settings.start_timeout_s):
+                raise StackError(f"Kafka (pid {self.pid()}) runs but does not answer on {self.address}")
+            return "already running"
+        if port_open(self.settings.kafka_port):
+            raise StackError(
+                f"port {self.settings.kafka_port} is taken by another process; stop it or set "
+                "KVFLOW_STACK_KAFKA_PORT"
+            )
+        self._java()
+        self.ensure_jars(say)
+        self.paths.kafka.mkdir(parents=True, exist_ok=True)
+        (self.paths.logs / "kafka").mkdir(parents=True, exist_ok=True)
+        self.write_config()
+        self.ensure_formatted()
+        say(f"starting Apache Kafka (KRaft) on {self.address}…")
+        out = (self.paths.logs / "kafka" / "stdout.log").open("ab")
+        proc = subprocess.Popen(
+            self._java_cmd("kafka.Kafka", str(self.paths.kafka_conf), heap=self.settings.kafka_heap),
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True, cwd=self.paths.kafka,
+        )
+        self.paths.kafka_pid.write_text(str(proc.pid))
+
+        def ok() -> bool:
+            if proc.poll() is not None:
+                raise StackError(
+                    f"Kafka exited with {proc.returncode}; see {self.paths.logs / 'kafka'}:\n"
+                    + tail(self.paths.logs / "kafka" / "server.log")
+                )
+            return self.ready()
+
+        if not wait_until(ok, self.settings.start_timeout_s, interval=0.5):
+            raise StackError(f"Kafka did not answer on {self.address} within "
+                             f"{self.settings.start_timeout_s:.0f} s; see {self.paths.logs / 'kafka'}")
+        return "started"
+
+    def down(self) -> str:
+        pid = self.pid()
+        if pid is None:
+            self.paths.kafka_pid.unlink(missing_ok=True)
+            return "not running"
+        os.kill(pid, signal.SIGTERM)
+        if not wait_until(lambda: not pid_alive(pid), 60):
+            os.kill(pid, signal.SIGKILL)
+            wait_until(lambda: not pid_alive(pid), 10)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+        self.paths.kafka_pid.unlink(missing_ok=True)
+        return f"stopped (pid {pid})"
+
+
+# --------------------------------------------------------------------------------------------
+# PostgreSQL
+
+
+def find_pg_bindir() -> Path:
+    """The folder of the PostgreSQL server binaries (newest installed version first)."""
+    if env := os.environ.get("KVFLOW_PG_BINDIR"):
+        return Path(env)
+    found = sorted(
+        Path("/usr/lib/postgresql").glob("*/bin/initdb"),
+        key=lambda p: int(p.parent.parent.name) if p.parent.parent.name.isdigit() else 0,
+        reverse=True,
+    )
+    if found:
+        return found[0].parent
+    if initdb := shutil.which("initdb"):
+        return Path(initdb).parent
+    raise StackError(
+        "PostgreSQL server binaries (initdb, pg_ctl) not found; install them "
+        "(Debian: apt-get install postgresql) or set KVFLOW_DATABASE_URL to an existing server"
+    )
+
+
+class Postgres:
+    """A private PostgreSQL cluster for kvflow, or an external one named by KVFLOW_DATABASE_URL."""
+
+    def __init__(self, paths: Paths, settings: StackSettings) -> None:
+        self.paths = paths
+        self.settings = settings
+        self.external_url = os.environ.get("KVFLOW_DATABASE_URL")
+
+    @property
+    def port(self) -> int:
+        return self.settings.postgres_port
+
+    @property
+    def base(self) -> Path:
+        """The cluster's folder: in the state folder, unless the postgres user cannot reach it."""
+        inside = self.paths.home / "postgres"
+        if not is_root() or self._reachable_by_pg(self.paths.home):
+            return inside
+        # NOTE: as root, a checkout under /root is not traversable by the postgres user; put the
+        # cluster in a folder keyed by the state folder's path instead.
+        key = hashlib.sha256(str(self.paths.home).encode()).hexdigest()[:12]
+        return Path("/var/tmp") / f"kvflow-pg-{key}"
+
+    @staticmethod
+    def _reachable_by_pg(path: Path) -> bool:
+        try:
+            pw = pwd.getpwnam(PG_OS_USER)
+        except KeyError:
+            return False
+        for p in [path, *path.parents]:
+            if not p.exists():
+                continue
+            st = p.stat()
+            mode = st.st_mode
+            if st.st_uid == pw.pw_uid:
+                ok = bool(mode & 0o100)
+            elif st.st_gid == pw.pw_gid:
+                ok = bool(mode & 0o010)
+            else:
+                ok = bool(mode & 0o001)
+            if not ok:
+                return False
+        return True
+
+    @property
+    def data(self) -> Path:
+        return self.base / "data"
+
+    @property
+    def sockets(self) -> Path:
+        return self.base / "run"
+
+    @property
+    def log(self) -> Path:
+        return self.base / "postgres.log"
+
+    def _as_pg(self, cmd: list[str]) -> list[str]:
+        if not is_root():
+            return cmd
+        runuser = shutil.which("runuser")
+        if runuser is None:
+            raise StackError("running as root needs runuser (util-linux) to start PostgreSQL as 'postgres'")
+        try:
+            pwd.getpwnam(PG_OS_USER)
+        except KeyError as exc:
+            raise StackError(
+                "running as root needs an OS user 'postgres' (PostgreSQL refuses root); "
+                "create it (useradd --system postgres) or run as a normal user"
+            ) from exc
+        return [runuser, "-u", PG_OS_USER, "--", *cmd]
+
+    def _bin(self, name: str) -> str:
+        return str(find_pg_bindir() / name)
+
+    def running(self) -> bool:
+        if not (self.data / "PG_VERSION").is_file():
+            return False
+        proc = subprocess.run(
+            self._as_pg([self._bin("pg_ctl"), "-D", str(self.data), "status"]),
+            capture_output=True, text=True, check=False,
+        )
+        return proc.returncode == 0
+
+    def pid(self) -> int | None:
+        try:
+            return int((self.data / "postmaster.pid").read_text().splitlines()[0])
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def ready(self) -> bool:
+        proc = subprocess.run(
+            [self._bin("pg_isready"), "-h", "localhost", "-p", str(self.port), "-t", "2"],
+            capture_output=True, text=True, check=False,
+        )
+        return proc.returncode == 0
+
+    def _initdb(self) -> None:
+        self.base.mkdir(parents=True, exist_ok=True)
+        self.sockets.mkdir(parents=True, exist_ok=True)
+        if is_root():
+            pw = pwd.getpwnam(PG_OS_USER)
+            for p in (self.base, self.sockets):
+                os.chown(p, pw.pw_uid, pw.pw_gid)
+            self.base.chmod(0o700)
+        run(
+            self._as_pg([self._bin("initdb"), "-D", str(self.data), "-U", "postgres", "-E", "UTF8",
+                         "--no-locale", "--auth-local=trust", "--auth-host=scram-sha-256"]),
+            log=self.paths.logs / "postgres-initdb.log", timeout=300, what="initdb",
+        )
+        conf = self.data / "postgresql.conf"
+        with conf.open("a") as f:
+            f.write(
+                "\n# kvflow local stack (kvflow/stack.py)\n"
+                "listen_addresses = 'localhost'\n"
+                f"unix_socket_directories = '{self.sockets}'\n"
+                "max_connections = 200\n"
+                "shared_buffers = 256MB\n"
+                "work_mem = 16MB\n"
+                "maintenance_work_mem = 128MB\n"
+                "max_wal_size = 2GB\n"
+                "checkpoint_timeout = 15min\n"
+                "log_min_messages = warning\n"
+                "log_min_duration_statement = -1\n"
+            )
+
+    def _bootstrap(self) -> None:
+        """Create the kvflow database and roles (idempotent), as the cluster's superuser."""
+        sql = self.paths.deploy / "postgres" / "roles.sql"
+        tmp = self.base / "roles.sql"
+        shutil.copyfile(sql, tmp)  # readable by the postgres user wherever the checkout is
+        if is_root():
+            os.chmod(tmp, 0o644)
+        psql = [self._bin("psql"), "-X", "-q", "-h", str(self.sockets), "-p", str(self.port),
+                "-U", "postgres", "-d", "postgres", "-v", "ON_ERROR_STOP=1",
+                "-v", "owner_password=kvflow", "-v", "reader_password=kvflow_reader",
+                "-f", str(tmp)]
+        run(self._as_pg(psql), log=self.paths.logs / "postgres-bootstrap.log", timeout=120,
+            what="creating the kvflow database and roles")
+        # Development only: the owner may create databases, so that each integration test gets
+        # its own (production deployments don't grant this; see deploy/postgres/roles.sql).
+        run(self._as_pg([self._bin("psql"), "-X", "-q", "-h", str(self.sockets), "-p", str(self.port),
+                         "-U", "postgres", "-d", "postgres", "-c", "ALTER ROLE kvflow CREATEDB"]),
+            log=self.paths.logs / "postgres-bootstrap.log", timeout=60, what="granting CREATEDB")
+
+    def up(self, say: Callable[[str], None]) -> str:
+        if self.external_url:
+            return "external (KVFLOW_DATABASE_URL)"
+        find_pg_bindir()
+        if self.running():
+            if not wait_until(self.ready, self.settings.start_timeout_s):
+                raise StackError(f"PostgreSQL runs in {self.data} but does not answer on port {self.port}")
+            self._bootstrap()
+            return "already running"
+        if port_open(self.port):
+            raise StackError(
+                f"port {self.port} is taken by another process; stop it or set KVFLOW_STACK_POSTGRES_PORT"
+            )
+        if not (self.data / "PG_VERSION").is_file():
+            say(f"creating a PostgreSQL cluster in {self.data}…")
+            self._initdb()
+        say(f"starting PostgreSQL on localhost:{self.port}…")
+        self.paths.logs.mkdir(parents=True, exist_ok=True)
+        run(
+            self._as_pg([self._bin("pg_ctl"), "-D", str(self.data), "-l", str(self.log),
+                         "-o", f"-p {self.port}", "-w", "-t", str(int(self.settings.start_timeout_s)),
+                         "start"]),
+            log=self.paths.logs / "postgres-ctl.log", timeout=self.settings.start_timeout_s + 10,
+            what="starting PostgreSQL",
+        )
+        if not wait_until(self.ready, self.settings.start_timeout_s):
+            raise StackError(f"PostgreSQL did not answer on port {self.port}; see {self.log}")
+        self._bootstrap()
+        return "started"
+
+    def down(self) -> str:
+        if self.external_url:
+            return "external (not managed)"
+        if not self.running():
+            return "not running"
+        pid = self.pid()
+        run(self._as_pg([self._bin("pg_ctl"), "-D", str(self.data), "-m", "fast", "-w", "-t", "60", "stop"]),
+            log=self.paths.logs / "postgres-ctl.log", timeout=90, what="stopping PostgreSQL")
+        return f"stopped (pid {pid})"
+
+
+# --------------------------------------------------------------------------------------------
+# The stack
+
+
+@dataclass
+class ServiceStatus:
+    name: str
+    state: str
+    address: str
+    pid: int | None
+    detail: str
+
+
+class Stack:
+    """Kafka and PostgreSQL for development, tests, CI and the demo."""
+
+    def __init__(self, settings: StackSettings | None = None) -> None:
+        self.settings = settings or StackSettings()
+        project = project_dir()
+        home = self.settings.home or project / ".kvflow"
+        self.paths = Paths(project=project, home=home.resolve())
+        self.kafka = Kafka(self.paths, self.settings)
+        self.postgres = Postgres(self.paths, self.settings)
+
+    @property
+    def database_url(self) -> str:
+        return self.postgres.external_url or (
+            f"postgresql+asyncpg://kvflow:kvflow@localhost:{self.settings.postgres_port}/kvflow"
+        )
+
+    def up(self, say: Callable[[str], None] = lambda _m: None) -> dict[str, str]:
+        self.paths.logs.mkdir(parents=True, exist_ok=True)
+        result = {"postgres": self.postgres.up(say)}
+        result["kafka"] = self.kafka.up(say)
+        return result
+
+    def down(self) -> dict[str, str]:
+        errors: list[str] = []
+        result: dict[str, str] = {}
+        for name, svc in (("kafka", self.kafka), ("postgres", self.postgres)):
+            try:
+                result[name] = svc.down()
+            except StackError as exc:  # stop the other one anyway
+                errors.append(str(exc))
+        if errors:
+            raise StackError("; ".join(errors))
+        return result
+
+    def status(self) -> list[ServiceStatus]:
+        kpid = self.kafka.pid()
+        kafka_state = "running" if kpid and self.kafka.ready() else ("starting" if kpid else "stopped")
+        out = [ServiceStatus("kafka", kafka_state, self.kafka.address, kpid,
+                             f"logs {self.paths.logs / 'kafka'}")]
+        if self.postgres.external_url:
+            out.append(ServiceStatus("postgres", "external", _redact(self.postgres.external_url), None,
+                                     "KVFLOW_DATABASE_URL"))
+        else:
+            try:
+                running = self.postgres.running()
+            except StackError:
+                running = False
+            out.append(ServiceStatus(
+                "postgres", "running" if running and self.postgres.ready() else "stopped",
+                f"localhost:{self.settings.postgres_port}", self.postgres.pid() if running else None,
+                f"data {self.postgres.data}",
+            ))
+        return out
+
+
+def _redact(url: str) -> str:
+    """A database URL without its password."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return "<unparsable URL>"

@@ -1,0 +1,1 @@
+"""State store: kvflow's PostgreSQL schema (models), sessions, queries and the materializer."""

@@ -1,0 +1,70 @@
+"""Database settings (``KVFLOW_DATABASE_…``).
+
+Two roles, two URLs (DESIGN.md, "PostgreSQL"): the owner/writer role used by migrations and the
+materializer, and the read-only role used by the routing API and analysts.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+from sqlalchemy.engine import make_url
+
+from eventbus.config import Environment, check_secret, read_secret_file
+
+DEFAULT_URL = "postgresql+asyncpg://kvflow:kvflow@localhost:55432/kvflow"
+DEFAULT_READER_URL = "postgresql+asyncpg://kvflow_reader:kvflow_reader@localhost:55432/kvflow"
+
+
+def async_url(url: str) -> str:
+    """Normalize a PostgreSQL URL to SQLAlchemy's asyncpg dialect."""
+    u = make_url(url)
+    if u.drivername in ("postgresql", "postgres", "postgresql+psycopg2", "postgresql+psycopg"):
+        u = u.set(drivername="postgresql+asyncpg")
+    return u.render_as_string(hide_password=False)
+
+
+def plain_dsn(url: str) -> str:
+    """The same URL as a libpq/asyncpg DSN (``postgresql://…``), for raw asyncpg connections."""
+    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+class DatabaseSettings(BaseSettings):
+    """Where PostgreSQL is and how to connect."""
+
+    model_config = SettingsConfigDict(env_prefix="KVFLOW_DATABASE_", extra="ignore")
+
+    url: SecretStr = Field(
+        default=SecretStr(DEFAULT_URL),
+        description="Owner/writer role URL (migrations, materializer). Env KVFLOW_DATABASE_URL.",
+    )
+    url_file: str | None = Field(default=None, description="File holding the writer URL.")
+    reader_url: SecretStr = Field(
+        default=SecretStr(DEFAULT_READER_URL),
+        description="Read-only role URL (routing API). Env KVFLOW_DATABASE_READER_URL.",
+    )
+    reader_url_file: str | None = Field(default=None, description="File holding the reader URL.")
+    pool_size: int = Field(default=5, ge=1, description="Connections per pool.")
+    statement_timeout_ms: int = Field(
+        default=30_000, ge=0, description="statement_timeout of every session (0: none)."
+    )
+
+    @model_validator(mode="after")
+    def _files(self) -> DatabaseSettings:
+        if (v := read_secret_file(self.url_file)) is not None:
+            self.url = v
+        if (v := read_secret_file(self.reader_url_file)) is not None:
+            self.reader_url = v
+        return self
+
+    def writer(self) -> str:
+        return async_url(self.url.get_secret_value())
+
+    def reader(self) -> str:
+        return async_url(self.reader_url.get_secret_value())
+
+    def check(self, env: Environment) -> None:
+        """Refuse placeholder database passwords outside development."""
+        for name, url in (("KVFLOW_DATABASE_URL", self.url), ("KVFLOW_DATABASE_READER_URL", self.reader_url)):
+            pw = make_url(url.get_secret_value()).password
+            check_secret(f"the password in {name}", SecretStr(pw) if pw else None, env)
