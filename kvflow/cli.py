@@ -17,13 +17,15 @@ from rich.console import Console
 from rich.table import Table
 from sqlalchemy.exc import SQLAlchemyError
 
-from kvflow.stack import Stack, StackError
+from kvflow.stack import ServiceStatus, Stack, StackError, redact_url
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, help="kvflow: see and use the KV cache of an LLM inference fleet.")
 stack_app = typer.Typer(no_args_is_help=True, help="The local development stack (Kafka + PostgreSQL).")
 db_app = typer.Typer(no_args_is_help=True, help="Database schema migrations (Alembic).")
 app.add_typer(stack_app, name="stack")
+topics_app = typer.Typer(no_args_is_help=True, help="Kafka topics of kvflow.")
 app.add_typer(db_app, name="db")
+app.add_typer(topics_app, name="topics")
 
 console = Console()
 err = Console(stderr=True)
@@ -75,23 +77,28 @@ def stack_down() -> None:
 
 
 @stack_app.command("status")
-def stack_status() -> None:
+def stack_status(
+    check: Annotated[bool, typer.Option("--check", help="Exit 1 unless every service runs.")] = False,
+) -> None:
     """Say what runs where."""
-    _print_status(Stack())
+    stack = Stack()
+    statuses = _print_status(stack)
+    if check and any(s.state not in ("running", "external") for s in statuses):
+        raise typer.Exit(1)
 
 
-def _print_status(stack: Stack) -> None:
+def _print_status(stack: Stack) -> list[ServiceStatus]:
     table = Table(title="kvflow local stack")
     for col in ("service", "state", "address", "pid", "detail"):
         table.add_column(col)
-    for s in guarded("stack status", stack.status):
+    statuses = guarded("stack status", stack.status)
+    for s in statuses:
         color = {"running": "green", "external": "cyan"}.get(s.state, "yellow")
         table.add_row(s.name, f"[{color}]{s.state}[/]", s.address, str(s.pid or "-"), s.detail)
     console.print(table)
     console.print(f"KVFLOW_KAFKA_BOOTSTRAP={stack.kafka.address}", highlight=False)
-    from kvflow.stack import _redact
-
-    console.print(f"KVFLOW_DATABASE_URL={_redact(stack.database_url)}", highlight=False)
+    console.print(f"KVFLOW_DATABASE_URL={redact_url(stack.database_url)}", highlight=False)
+    return statuses
 
 
 @db_app.command("upgrade")
@@ -126,6 +133,24 @@ def db_current(
     from migrations import current
 
     console.print(guarded("db current", lambda: asyncio.run(current(url=url))) or "(empty)")
+
+
+@topics_app.command("ensure")
+def topics_ensure() -> None:
+    """Create kvflow's topics where missing (kv-events, node-stats, kv-events-dlq, kv-control)."""
+    from confluent_kafka import KafkaException
+
+    from eventbus.config import KafkaSettings
+    from eventbus.kafka import ensure_topics, topic_specs
+
+    settings = KafkaSettings()
+    try:
+        created = ensure_topics(settings)
+    except (KafkaException, TimeoutError) as exc:
+        _fail("topics ensure", f"Kafka at {settings.bootstrap}: {exc}")
+    for spec in topic_specs(settings):
+        state = "created" if spec.name in created else "exists"
+        console.print(f"{spec.name}: {state} ({spec.partitions} partitions)")
 
 
 def main() -> None:

@@ -313,26 +313,41 @@ class Kafka:
         self.write_config()
         self.ensure_formatted()
         say(f"starting Apache Kafka (KRaft) on {self.address}…")
-        out = (self.paths.logs / "kafka" / "stdout.log").open("ab")
-        proc = subprocess.Popen(
-            self._java_cmd("kafka.Kafka", str(self.paths.kafka_conf), heap=self.settings.kafka_heap),
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, cwd=self.paths.kafka,
-        )
-        self.paths.kafka_pid.write_text(str(proc.pid))
+        # NOTE: posix_spawn with setsid, not Popen: the broker outlives this process (it is
+        # stopped by `down`, through its pid file) and must not die with our terminal.
+        argv = self._java_cmd("kafka.Kafka", str(self.paths.kafka_conf), heap=self.settings.kafka_heap)
+        stdout = str(self.paths.logs / "kafka" / "stdout.log")
+        pid = os.posix_spawn(argv[0], argv, dict(os.environ), setsid=True, file_actions=[
+            (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
+            (os.POSIX_SPAWN_OPEN, 1, stdout, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644),
+            (os.POSIX_SPAWN_DUP2, 1, 2),
+        ])
+        self.paths.kafka_pid.write_text(str(pid))
 
         def ok() -> bool:
-            if proc.poll() is not None:
-                raise StackError(
-                    f"Kafka exited with {proc.returncode}; see {self.paths.logs / 'kafka'}:\n"
-                    + tail(self.paths.logs / "kafka" / "server.log")
-                )
+            with contextlib.suppress(ChildProcessError):
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    raise StackError(
+                        f"Kafka exited with status {os.waitstatus_to_exitcode(status)}; see "
+                        f"{self.paths.logs / 'kafka'}:\n" + tail(self.paths.logs / "kafka" / "server.log")
+                    )
             return self.ready()
 
         if not wait_until(ok, self.settings.start_timeout_s, interval=0.5):
             raise StackError(f"Kafka did not answer on {self.address} within "
                              f"{self.settings.start_timeout_s:.0f} s; see {self.paths.logs / 'kafka'}")
         return "started"
+
+    def ensure_topics(self) -> None:
+        """kvflow's topics (kv-events, node-stats, …) with their default names and settings."""
+        from eventbus.config import KafkaSettings
+        from eventbus.kafka import ensure_topics
+
+        try:
+            ensure_topics(KafkaSettings(bootstrap=self.address))
+        except Exception as exc:  # a broker that answers metadata but not admin requests
+            raise StackError(f"creating kvflow's topics on {self.address} failed: {exc}") from exc
 
     def down(self) -> str:
         pid = self.pid()
@@ -591,6 +606,7 @@ class Stack:
         self.paths.logs.mkdir(parents=True, exist_ok=True)
         result = {"postgres": self.postgres.up(say)}
         result["kafka"] = self.kafka.up(say)
+        self.kafka.ensure_topics()
         return result
 
     def down(self) -> dict[str, str]:
@@ -611,7 +627,7 @@ class Stack:
         out = [ServiceStatus("kafka", kafka_state, self.kafka.address, kpid,
                              f"logs {self.paths.logs / 'kafka'}")]
         if self.postgres.external_url:
-            out.append(ServiceStatus("postgres", "external", _redact(self.postgres.external_url), None,
+            out.append(ServiceStatus("postgres", "external", redact_url(self.postgres.external_url), None,
                                      "KVFLOW_DATABASE_URL"))
         else:
             try:
@@ -626,7 +642,7 @@ class Stack:
         return out
 
 
-def _redact(url: str) -> str:
+def redact_url(url: str) -> str:
     """A database URL without its password."""
     from sqlalchemy.engine import make_url
 

@@ -1,0 +1,52 @@
+# kvflow — `make help` lists the targets. Every target installs what it needs first.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.kvflow-installed
+PYTEST_ARGS ?=
+
+.DEFAULT_GOAL := help
+.PHONY: help install demo test test-unit lint up down status bench sim clean
+
+help: ## List the targets
+	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "} {printf "  \033[36m%-10s\033[0m %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip setuptools wheel
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	@touch $@
+
+install: $(STAMP) ## Create .venv and install kvflow with its test extras
+
+demo: $(STAMP) ## The main job: stack, materializer, router, two nodes, a workload, a summary
+	$(BIN)/kvflow demo
+
+test: $(STAMP) ## The whole suite (unit + integration) against a real local stack, then stop it
+	@was_up=0; $(BIN)/kvflow stack status --check >/dev/null 2>&1 && was_up=1; \
+	$(BIN)/kvflow stack up && $(BIN)/kvflow db upgrade \
+	  && KVFLOW_REQUIRE_SERVICES=1 $(BIN)/pytest $(PYTEST_ARGS); \
+	status=$$?; \
+	if [ $$was_up -eq 0 ]; then $(BIN)/kvflow stack down || status=1; fi; \
+	exit $$status
+
+test-unit: $(STAMP) ## Only the tests that need no services
+	$(BIN)/pytest -m "unit" $(PYTEST_ARGS)
+
+lint: $(STAMP) ## ruff and mypy
+	$(BIN)/ruff check .
+	$(BIN)/mypy eventbus inference_node state_store routing_api kvflow migrations
+
+up: $(STAMP) ## Start the local stack (Kafka + PostgreSQL) and migrate the database
+	$(BIN)/kvflow stack up
+	$(BIN)/kvflow db upgrade
+
+down: $(STAMP) ## Stop the local stack
+	$(BIN)/kvflow stack down
+
+status: $(STAMP) ## What runs where
+	$(BIN)/kvflow stack status
+
+clean: ## Remove the venv and the local stack's state (stop the stack first)
+	rm -rf $(VENV) .kvflow .pytest_cache .mypy_cache .ruff_cache .hypothesis

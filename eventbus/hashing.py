@@ -1,0 +1,137 @@
+"""Block identity (DESIGN.md, "Block identity"): the one implementation, for nodes and router.
+
+A block's digest is BLAKE2b-256, personalized ``kvflow-block-v1``, over::
+
+    parent digest (32 bytes; ROOT for the first block)
+    header: flags (u8: bit 0 = LoRA present, bit 1 = salt present),
+            LoRA id (u64 little-endian, 0 when absent), token count (u32 LE),
+            salt length (u32 LE) and salt bytes (UTF-8) — the salt only in the first block
+    the token ids, packed as u32 little-endian
+
+Everything is explicit and fixed-width, so the digest is the same on every process and machine
+(never Python's ``hash()``, never a pickled tuple). Reuse inside a node is keyed on the full
+32-byte digest; the wire's ``block_hash`` is its first 8 bytes read big-endian as an unsigned
+64-bit integer, and SQL stores that as signed ``bigint`` (``protocol.to_sql``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import sys
+from array import array
+from collections.abc import Sequence
+from typing import Final
+
+from eventbus.protocol import BlockDigest, BlockHash
+
+DIGEST_SIZE: Final = 32
+PERSON: Final = b"kvflow-block-v1"
+ROOT: Final = BlockDigest(b"\x00" * DIGEST_SIZE)
+DEFAULT_BLOCK_SIZE: Final = 32
+
+_HEADER = struct.Struct("<BQII")
+_TOKEN_ARRAY_CODE = "I" if array("I").itemsize == 4 else "L"
+assert array(_TOKEN_ARRAY_CODE).itemsize == 4
+_SWAP = sys.byteorder != "little"
+
+
+def _salt_bytes(cache_salt: str | bytes | None) -> bytes:
+    if cache_salt is None:
+        return b""
+    return cache_salt.encode("utf-8") if isinstance(cache_salt, str) else bytes(cache_salt)
+
+
+def pack_tokens(token_ids: Sequence[int]) -> bytes:
+    """Token ids as packed u32 little-endian bytes (ValueError/OverflowError outside u32)."""
+    arr = array(_TOKEN_ARRAY_CODE, token_ids)
+    if _SWAP:
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def block_digest(
+    parent: bytes | None,
+    token_ids: Sequence[int] | bytes,
+    *,
+    lora_id: int | None = None,
+    cache_salt: str | bytes | None = None,
+    num_tokens: int | None = None,
+) -> BlockDigest:
+    """The digest of one block.
+
+    Args:
+        parent: the parent block's digest; None for the first block of a sequence.
+        token_ids: the block's token ids, or already packed bytes (``pack_tokens``).
+        lora_id: LoRA adapter id, None for the base model.
+        cache_salt: tenant salt; only enters the first block (``parent is None``).
+        num_tokens: the token count when ``token_ids`` is an opaque key rather than tokens
+            (e.g. a trace block id standing for 512 tokens); defaults to the count of tokens.
+    """
+    packed = token_ids if isinstance(token_ids, bytes) else pack_tokens(token_ids)
+    count = num_tokens if num_tokens is not None else len(packed) // 4
+    salt = _salt_bytes(cache_salt) if parent is None else b""
+    flags = (1 if lora_id is not None else 0) | (2 if salt else 0)
+    h = hashlib.blake2b(digest_size=DIGEST_SIZE, person=PERSON)
+    h.update(parent if parent is not None else ROOT)
+    h.update(_HEADER.pack(flags, lora_id or 0, count, len(salt)))
+    if salt:
+        h.update(salt)
+    h.update(packed)
+    return BlockDigest(h.digest())
+
+
+def chain_digests(
+    token_ids: Sequence[int],
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    *,
+    lora_id: int | None = None,
+    cache_salt: str | bytes | None = None,
+    parent: bytes | None = None,
+) -> list[BlockDigest]:
+    """Digests of the *full* blocks of a token sequence, each chained on the one before.
+
+    The trailing partial block (fewer than ``block_size`` tokens) has no digest: only full
+    blocks are shared. ``parent`` continues a chain (the salt then does not enter again).
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    n_full = len(token_ids) // block_size
+    if n_full == 0:
+        return []
+    packed = memoryview(pack_tokens(token_ids[: n_full * block_size]))
+    step = block_size * 4
+    out: list[BlockDigest] = []
+    prev = parent
+    salt = _salt_bytes(cache_salt)
+    lora = lora_id or 0
+    lora_flag = 1 if lora_id is not None else 0
+    blake2b = hashlib.blake2b
+    header = _HEADER.pack
+    for i in range(n_full):
+        first_salt = salt if prev is None else b""
+        h = blake2b(digest_size=DIGEST_SIZE, person=PERSON)
+        h.update(prev if prev is not None else ROOT)
+        h.update(header(lora_flag | (2 if first_salt else 0), lora, block_size, len(first_salt)))
+        if first_salt:
+            h.update(first_salt)
+        h.update(packed[i * step : (i + 1) * step])
+        prev = BlockDigest(h.digest())
+        out.append(prev)
+    return out
+
+
+def block_hash(digest: bytes) -> BlockHash:
+    """The wire/SQL identity of a block: the digest's first 8 bytes, big-endian, unsigned."""
+    return BlockHash(int.from_bytes(digest[:8], "big"))
+
+
+def prompt_block_hashes(
+    token_ids: Sequence[int],
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    *,
+    lora_id: int | None = None,
+    cache_salt: str | bytes | None = None,
+) -> list[BlockHash]:
+    """The wire hashes of a prompt's full blocks: what the router looks up."""
+    return [block_hash(d) for d in chain_digests(token_ids, block_size, lora_id=lora_id, cache_salt=cache_salt)]

@@ -1,0 +1,135 @@
+"""Shared fixtures: real Kafka topics and real PostgreSQL databases, unique per test.
+
+Integration tests run against the local stack (``make test`` starts it and sets
+``KVFLOW_REQUIRE_SERVICES=1``, which turns a missing service into a failure). Without that
+variable a developer's partial setup skips them instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from eventbus.config import KafkaSettings
+from state_store.config import DatabaseSettings
+
+REQUIRE_SERVICES = os.environ.get("KVFLOW_REQUIRE_SERVICES") == "1"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests without a service marker are unit tests."""
+    for item in items:
+        if not any(item.get_closest_marker(m) for m in ("integration", "gpu", "slow")):
+            item.add_marker(pytest.mark.unit)
+
+
+def service_missing(what: str, exc: BaseException | None = None) -> None:
+    detail = f": {exc}" if exc else ""
+    if REQUIRE_SERVICES:
+        pytest.fail(f"{what} is not reachable{detail} (make test requires the local stack)")
+    pytest.skip(f"{what} not reachable{detail}; run `kvflow stack up` (or `make test`)")
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+# ------------------------------------------------------------------------------------ Kafka
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap() -> str:
+    from confluent_kafka.admin import AdminClient
+
+    bootstrap = KafkaSettings().bootstrap
+    try:
+        md = AdminClient({"bootstrap.servers": bootstrap, "socket.timeout.ms": 3000}).list_topics(timeout=5)
+        if not md.brokers:
+            raise RuntimeError("no brokers in metadata")
+    except Exception as exc:
+        service_missing(f"Kafka at {bootstrap}", exc)
+    return bootstrap
+
+
+@pytest.fixture
+def kafka_settings(kafka_bootstrap: str) -> Iterator[KafkaSettings]:
+    """Settings with topics of their own (created, and deleted after the test)."""
+    from eventbus.kafka import delete_topics, ensure_topics, topic_specs
+
+    suffix = uuid.uuid4().hex[:10]
+    s = KafkaSettings(
+        bootstrap=kafka_bootstrap,
+        events_topic=f"kv-events-{suffix}",
+        stats_topic=f"node-stats-{suffix}",
+        dlq_topic=f"kv-events-dlq-{suffix}",
+        control_topic=f"kv-control-{suffix}",
+    )
+    ensure_topics(s)
+    yield s
+    delete_topics(s, [t.name for t in topic_specs(s)])
+
+
+# ------------------------------------------------------------------------------- PostgreSQL
+
+
+async def _admin_execute(url: str, *statements: str) -> None:
+    import asyncpg
+
+    from state_store.config import plain_dsn
+
+    conn = await asyncpg.connect(plain_dsn(url), timeout=5)
+    try:
+        for st in statements:
+            await conn.execute(st)
+    finally:
+        await conn.close()
+
+
+@pytest.fixture(scope="session")
+def pg_owner_url() -> str:
+    """The owner role's URL of the stack's PostgreSQL (KVFLOW_DATABASE_URL)."""
+    url = DatabaseSettings().writer()
+    try:
+        asyncio.run(_admin_execute(url, "SELECT 1"))
+    except Exception as exc:
+        service_missing("PostgreSQL", exc)
+    return url
+
+
+def _with_database(url: str, dbname: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).set(database=dbname).render_as_string(hide_password=False)
+
+
+@pytest.fixture
+def database_url(pg_owner_url: str) -> Iterator[str]:
+    """A fresh, empty database owned by the kvflow role; dropped after the test."""
+    name = "kvflow_t_" + uuid.uuid4().hex[:12]
+    asyncio.run(_admin_execute(pg_owner_url, f'CREATE DATABASE "{name}" OWNER kvflow'))
+    yield _with_database(pg_owner_url, name)
+    asyncio.run(_admin_execute(pg_owner_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+@pytest.fixture
+def migrated_database_url(database_url: str) -> str:
+    """A fresh database with kvflow's schema at head."""
+    from migrations import upgrade
+
+    upgrade("head", url=database_url)
+    return database_url
+
+
+@pytest.fixture
+def reader_url(migrated_database_url: str) -> str:
+    """The read-only role's URL for the same fresh database."""
+    from sqlalchemy.engine import make_url
+
+    reader = make_url(DatabaseSettings().reader())
+    return make_url(migrated_database_url).set(
+        username=reader.username, password=reader.password
+    ).render_as_string(hide_password=False)
