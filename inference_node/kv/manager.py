@@ -1,0 +1,705 @@
+"""The paged KV cache core: block pools, prefix reuse, priority eviction, a host tier, events.
+
+Pure Python, synchronous and deterministic: no torch, no I/O, time from an injected clock. The
+model layer owns the tensors; this core owns the *bookkeeping* and tells its caller which slot
+holds which block and which copies between tiers to perform (:class:`BlockCopy`).
+
+Semantics (DESIGN.md, "Reference semantics", TensorRT-LLM's, reproduced):
+
+* Blocks hold ``block_size`` tokens; only full blocks are cached and shared, keyed on their
+  32-byte chained digest. A request reuses the longest cached prefix of its full blocks.
+* Blocks in use (reference count > 0) are never evicted. When the last request using a block
+  finishes, the block stays cached and becomes evictable.
+* Eviction takes the evictable *leaf* with the lowest priority, least recently used first within a
+  priority. On the GPU tier a leaf is a block with no child on the GPU; on the host tier, a block
+  with no child at all. So cached prefixes stay contiguous, and every ancestor of a GPU block is
+  on the GPU.
+* A retention duration starts when a block becomes evictable and restarts on reuse; when it runs
+  out the block's priority falls back to 35 (an ``updated`` event says so).
+* A request with a retention config re-prioritizes the blocks it reuses; one without leaves them
+  alone (unless the adaptive policy is on, which only ever raises them).
+* With a host tier, a GPU block chosen for eviction moves to host memory if its priority is at
+  least ``secondary_offload_min_priority`` (or if it has children there, which keeps prefixes
+  contiguous); otherwise it is removed. Reuse brings host blocks back; host eviction removes.
+
+Every change of the cached set is an event (``created``, ``stored``, ``removed``, ``updated``,
+``snapshot``) in the wire schema of :mod:`eventbus.protocol`, queued until a publisher drains
+them. The queue is bounded; on overflow the queued events are dropped, counted, and replaced by a
+``snapshot`` at the next drain, with no gap in ``event_id``.
+
+Complexity: lookups are dict operations; eviction and expiry use binary heaps with lazy
+deletion (O(log n) per operation, amortized).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Final, Literal
+
+from eventbus.hashing import block_digest, block_hash
+from eventbus.protocol import (
+    DEFAULT_PRIORITY,
+    BlockDigest,
+    BlockHash,
+    Created,
+    Event,
+    EventData,
+    LevelDiff,
+    PriorityDiff,
+    Removed,
+    Snapshot,
+    SnapshotBlock,
+    Stored,
+    StoredBlock,
+    Updated,
+)
+from inference_node.kv.adaptive import AdaptivePolicy
+from inference_node.kv.clock import Clock, monotonic
+from inference_node.kv.prompt import Prompt
+from inference_node.kv.retention import KvCacheRetentionConfig
+
+GPU: Final = 0
+HOST: Final = 1
+
+
+class OutOfBlocks(RuntimeError):
+    """Not enough GPU blocks can be freed for a request (every candidate is in use)."""
+
+
+@dataclass(frozen=True)
+class KvCacheConfig:
+    """Sizes and policies of one node's KV cache."""
+
+    num_gpu_blocks: int
+    num_host_blocks: int = 0
+    block_size: int = 32
+    secondary_offload_min_priority: int = DEFAULT_PRIORITY
+    #: Attention window reported with every event (the model's context length).
+    window_size: int = 4096
+    #: Events queued before the publisher drains them; beyond this, a snapshot replaces them.
+    max_queued_events: int = 100_000
+    #: Put the token ids of each block into ``stored`` events.
+    emit_token_ids: bool = False
+    #: Assign priorities from observed reuse to requests without a retention config.
+    adaptive: AdaptivePolicy | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_gpu_blocks < 1:
+            raise ValueError("num_gpu_blocks must be at least 1")
+        if self.num_host_blocks < 0:
+            raise ValueError("num_host_blocks must be >= 0")
+        if self.block_size < 1:
+            raise ValueError("block_size must be at least 1")
+        if not 0 <= self.secondary_offload_min_priority <= 101:
+            raise ValueError("secondary_offload_min_priority must be within 0..101 (101: never offload)")
+        if self.max_queued_events < 1:
+            raise ValueError("max_queued_events must be at least 1")
+
+
+@dataclass(frozen=True, slots=True)
+class BlockCopy:
+    """A copy the model layer must perform, in order, before the next forward pass."""
+
+    kind: Literal["offload", "onboard"]
+    src_level: int
+    src_slot: int
+    dst_level: int
+    dst_slot: int
+
+
+@dataclass
+class Allocation:
+    """The result of admitting a request."""
+
+    #: GPU slot of each of the prompt's blocks (the partial tail included), in order.
+    block_table: list[int]
+    #: Prompt tokens whose KV is already in the cache (full blocks matched).
+    num_cached_tokens: int
+    gpu_hit_blocks: int
+    host_hit_blocks: int
+    #: Copies to perform before computing the prompt (offloads first, then onboards).
+    copies: list[BlockCopy]
+
+
+@dataclass
+class KvStats:
+    """Cumulative counters of one cache instance."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    hit_blocks: int = 0
+    miss_blocks: int = 0
+    requests_with_hit: int = 0
+    evictions_by_priority: dict[int, int] = field(default_factory=dict)
+    offloads_by_priority: dict[int, int] = field(default_factory=dict)
+    onboards: int = 0
+    expirations: int = 0
+    reprioritizations: int = 0
+    events_emitted: int = 0
+    events_overflowed: int = 0
+    snapshots: int = 0
+    rejected_requests: int = 0
+
+
+class Block:
+    """One cached (or private) block. Identity for the heaps: ``uid``."""
+
+    __slots__ = (
+        "cand", "children", "depth", "digest", "duration", "exp_version", "gpu_children", "hash", "hits",
+        "last_used", "level", "lora_id", "num_tokens", "parent", "priority", "ref", "slot",
+        "token_ids", "uid", "version",
+    )
+
+    def __init__(self, uid: int, slot: int) -> None:
+        self.uid = uid
+        self.slot = slot
+        self.level = GPU
+        self.digest: BlockDigest | None = None  # None: private (not cached, not shared)
+        self.hash: BlockHash = BlockHash(0)
+        self.parent: Block | None = None
+        self.num_tokens = 0
+        self.lora_id: int | None = None
+        self.token_ids: tuple[int, ...] | None = None
+        self.priority = DEFAULT_PRIORITY
+        self.duration: float | None = None
+        self.ref = 1
+        self.last_used = 0
+        self.children = 0  # cached children on any tier
+        self.gpu_children = 0  # cached children on the GPU
+        self.depth = 0
+        self.hits = 0
+        self.version = 0  # bumped whenever the eviction-heap key or candidacy changes
+        self.cand = -1  # the tier whose eviction heap holds a live entry for it, or -1
+        self.exp_version = 0  # bumped whenever the expiry timer changes
+
+
+@dataclass
+class _Request:
+    request_id: str
+    blocks: list[Block]
+    num_tokens: int
+    prompt: Prompt
+    retention: KvCacheRetentionConfig | None
+    token_ids: list[int] | None
+    last_full_digest: BlockDigest | None
+
+
+class KVCacheManager:
+    """One node's KV cache bookkeeping (see the module docstring for the semantics)."""
+
+    def __init__(self, config: KvCacheConfig, clock: Clock = monotonic) -> None:
+        self.config = config
+        self.clock = clock
+        self.block_size = config.block_size
+        self._host_enabled = config.num_host_blocks > 0
+        # NOTE: free lists pop from the end; reversed so that slot 0 is handed out first.
+        self._free: list[list[int]] = [
+            list(range(config.num_gpu_blocks - 1, -1, -1)),
+            list(range(config.num_host_blocks - 1, -1, -1)),
+        ]
+        self._cached: dict[BlockDigest, Block] = {}
+        self._heaps: list[list[tuple[int, int, int, int, Block]]] = [[], []]
+        self._candidates = [0, 0]  # live heap entries per level
+        self._expiry: list[tuple[float, int, int, Block]] = []
+        self._requests: dict[str, _Request] = {}
+        self._uid = 0
+        self._tick = 0
+        self._copies: list[BlockCopy] = []
+        self.stats = KvStats()
+        self._adaptive = config.adaptive
+        # Events.
+        self._events: deque[Event] = deque()
+        self._next_event_id = 0
+        self._overflowed = False
+        self._snapshot_requested = False
+        self._open_removed: list[int] | None = None
+        self._emit(Created(num_blocks_per_cache_level=[config.num_gpu_blocks, config.num_host_blocks]))
+        self._emit_snapshot()
+
+    # ------------------------------------------------------------------ public: requests
+
+    def allocate(self, request_id: str, prompt: Prompt,
+                 retention: KvCacheRetentionConfig | None = None) -> Allocation:
+        """Admit a request: reuse its longest cached prefix, allocate blocks for the rest.
+
+        Newly filled prompt blocks are cached (``stored``) at once: the caller computes the
+        prompt before admitting another request (see ``inference_node.engine``).
+
+        Raises:
+            ValueError: the request id is in use, or the prompt is empty.
+            OutOfBlocks: not enough GPU blocks can be freed; nothing of the request remains.
+        """
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} is already allocated")
+        if prompt.num_tokens <= 0:
+            raise ValueError("a prompt needs at least one token")
+        self._expire()
+        self._copies = []
+        bs = self.block_size
+        n_blocks = -(-prompt.num_tokens // bs)
+
+        # 1. Longest cached prefix (contiguous by construction); pin it at once.
+        matched: list[Block] = []
+        cached = self._cached
+        for d in prompt.digests:
+            b = cached.get(d)
+            if b is None:
+                break
+            matched.append(b)
+        for b in matched:
+            self._acquire(b)
+
+        # 2. GPU slots for onboarding and for the new blocks (may evict; may fail).
+        onboard = [b for b in matched if b.level == HOST]
+        needed = len(onboard) + n_blocks - len(matched)
+        slots: list[int] = []
+        try:
+            for _ in range(needed):
+                slots.append(self._take_gpu_slot())
+        except OutOfBlocks:
+            self._free[GPU].extend(reversed(slots))
+            for b in reversed(matched):
+                self._release(b)
+            self.stats.rejected_requests += 1
+            self._close_removed()
+            raise OutOfBlocks(
+                f"request {request_id!r} needs {needed} GPU blocks; only {len(slots)} could be freed"
+            ) from None
+        slot_iter = iter(slots)
+
+        # 3. Onboard host hits, parents first.
+        for b in onboard:
+            gpu_slot = next(slot_iter)
+            self._copies.append(BlockCopy("onboard", HOST, b.slot, GPU, gpu_slot))
+            self._free[HOST].append(b.slot)
+            b.level, b.slot = GPU, gpu_slot
+            if b.parent is not None:
+                b.parent.gpu_children += 1
+            self.stats.onboards += 1
+            self._emit(Updated(block_hash=b.hash, cache_level=LevelDiff(old=HOST, new=GPU)))
+
+        # 4. Re-prioritize reused blocks.
+        for i, b in enumerate(matched):
+            if retention is not None:
+                prio, dur = retention.block_retention(i * bs, (i + 1) * bs, prompt.num_tokens)
+                self._set_priority(b, prio, dur)
+            elif self._adaptive is not None:
+                raised = self._adaptive.on_reuse(b.priority, b.hits, b.depth)
+                if raised is not None and raised[0] >= b.priority:
+                    self._set_priority(b, raised[0], raised[1])
+            b.hits += 1
+
+        # 5. New blocks: full ones are cached (one chained `stored` event), the tail is private.
+        blocks = list(matched)
+        parent = matched[-1] if matched else None
+        stored: list[StoredBlock] = []
+        n_full = len(prompt.digests)
+        for i in range(len(matched), n_blocks):
+            b = self._new_block(next(slot_iter))
+            if i < n_full:
+                lo, hi = i * bs, (i + 1) * bs
+                prio, dur = self._new_block_retention(retention, lo, hi, prompt.num_tokens, i)
+                toks = prompt.token_ids[lo:hi] if prompt.token_ids is not None else None
+                self._register(b, prompt.digests[i], parent, bs, prompt.lora_id, prio, dur, toks)
+                stored.append(self._stored_block(b))
+                parent = b
+            blocks.append(b)
+        if stored:
+            self._emit(Stored(parent_hash=matched[-1].hash if matched else None, blocks=stored))
+
+        # 6. Bookkeeping.
+        hit_tokens = len(matched) * bs
+        st = self.stats
+        st.requests += 1
+        st.prompt_tokens += prompt.num_tokens
+        st.cached_tokens += hit_tokens
+        st.hit_blocks += len(matched)
+        st.miss_blocks += n_full - len(matched)
+        if matched:
+            st.requests_with_hit += 1
+        self._requests[request_id] = _Request(
+            request_id=request_id, blocks=blocks, num_tokens=prompt.num_tokens, prompt=prompt,
+            retention=retention,
+            token_ids=list(prompt.token_ids) if prompt.token_ids is not None else None,
+            last_full_digest=prompt.digests[-1] if prompt.digests else None,
+        )
+        self._close_removed()
+        copies, self._copies = self._copies, []
+        return Allocation(
+            block_table=[b.slot for b in blocks],
+            num_cached_tokens=hit_tokens,
+            gpu_hit_blocks=len(matched) - len(onboard),
+            host_hit_blocks=len(onboard),
+            copies=copies,
+        )
+
+    def append_token(self, request_id: str, token_id: int) -> tuple[int, list[BlockCopy]]:
+        """Extend a running request by one token (its KV is written at the returned slot).
+
+        Returns the GPU slot of the token's block and the copies to perform first (an eviction
+        to make room for a new block may offload). When the token fills its block, the block is
+        cached (``stored``) with the decode retention, unless the same block is cached already.
+
+        Raises:
+            KeyError: unknown request.
+            OutOfBlocks: a new block is needed and none can be freed.
+        """
+        req = self._requests[request_id]
+        self._copies = []
+        bs = self.block_size
+        pos = req.num_tokens
+        idx = pos // bs
+        if idx == len(req.blocks):
+            self._expire()
+            req.blocks.append(self._new_block(self._take_gpu_slot()))
+        block = req.blocks[idx]
+        req.num_tokens += 1
+        if req.token_ids is not None:
+            req.token_ids.append(token_id)
+        if req.num_tokens % bs == 0 and req.token_ids is not None:
+            toks = tuple(req.token_ids[idx * bs:(idx + 1) * bs])
+            parent_digest = req.last_full_digest
+            digest = block_digest(
+                parent_digest, toks, lora_id=req.prompt.lora_id,
+                cache_salt=req.prompt.cache_salt if parent_digest is None else None,
+            )
+            req.last_full_digest = digest
+            parent = req.blocks[idx - 1] if idx > 0 else None
+            # Cache it unless an equal block is cached already, or this request's previous block
+            # is not the cached one (a private duplicate): children hang off pinned GPU parents.
+            if digest not in self._cached and (parent is None or parent.digest == parent_digest):
+                prio, dur = self._new_block_retention(req.retention, idx * bs, (idx + 1) * bs,
+                                                      req.prompt.num_tokens, idx)
+                self._register(block, digest, parent, bs, req.prompt.lora_id, prio, dur, toks)
+                self._emit(Stored(parent_hash=parent.hash if parent is not None else None,
+                                  blocks=[self._stored_block(block)]))
+        self._close_removed()
+        copies, self._copies = self._copies, []
+        return block.slot, copies
+
+    def free(self, request_id: str) -> None:
+        """A request finished: its cached blocks become evictable, its private blocks free.
+
+        Blocks are released tail first, so that within a priority the tail of a sequence is
+        evicted before its head.
+        """
+        req = self._requests.pop(request_id)
+        self._expire()
+        for b in reversed(req.blocks):
+            if b.digest is None:
+                self._free[GPU].append(b.slot)
+            else:
+                self._release(b)
+        self._close_removed()
+
+    def tick(self) -> None:
+        """Apply retention expiries due by now (allocate/free do this too)."""
+        self._expire()
+        self._close_removed()
+
+    # ------------------------------------------------------------------ public: queries
+
+    def match_prefix(self, prompt: Prompt) -> tuple[int, int]:
+        """How many of the prompt's leading full blocks are cached on (GPU, host); no side effects."""
+        gpu = host = 0
+        for d in prompt.digests:
+            b = self._cached.get(d)
+            if b is None:
+                break
+            if b.level == GPU:
+                gpu += 1
+            else:
+                host += 1
+        return gpu, host
+
+    def block_table(self, request_id: str) -> list[int]:
+        return [b.slot for b in self._requests[request_id].blocks]
+
+    def num_tokens(self, request_id: str) -> int:
+        return self._requests[request_id].num_tokens
+
+    @property
+    def active_requests(self) -> int:
+        return len(self._requests)
+
+    @property
+    def used_blocks(self) -> tuple[int, int]:
+        """Occupied slots per tier (cached or private)."""
+        return (self.config.num_gpu_blocks - len(self._free[GPU]),
+                self.config.num_host_blocks - len(self._free[HOST]))
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    @property
+    def evictable_blocks(self) -> tuple[int, int]:
+        """Blocks that eviction could take right now, per tier."""
+        return self._candidates[GPU], self._candidates[HOST]
+
+    def cached_blocks(self) -> list[SnapshotBlock]:
+        """The cache's ground truth, parents before children (as in a ``snapshot``)."""
+        out = sorted(self._cached.values(), key=lambda b: (b.depth, b.uid))
+        return [
+            SnapshotBlock(
+                block_hash=b.hash, parent_hash=b.parent.hash if b.parent is not None else None,
+                num_tokens=b.num_tokens, lora_id=b.lora_id, cache_level=b.level, priority=b.priority,
+            )
+            for b in out
+        ]
+
+    def block_info(self, digest: BlockDigest) -> dict[str, object] | None:
+        """Introspection for tests and the node's API."""
+        b = self._cached.get(digest)
+        if b is None:
+            return None
+        return {"level": b.level, "slot": b.slot, "priority": b.priority, "duration": b.duration,
+                "ref": b.ref, "hits": b.hits, "children": b.children, "gpu_children": b.gpu_children}
+
+    # ------------------------------------------------------------------ public: events
+
+    @property
+    def last_event_id(self) -> int:
+        """The id of the last event emitted (-1 before any)."""
+        return self._next_event_id - 1
+
+    @property
+    def pending_events(self) -> int:
+        return len(self._events)
+
+    def request_snapshot(self) -> None:
+        """Put a snapshot after the queued events (a consumer asked to resync)."""
+        self._snapshot_requested = True
+
+    def drain_events(self, max_events: int | None = None) -> list[Event]:
+        """Take queued events, oldest first (a snapshot first if the queue overflowed)."""
+        if self._overflowed:
+            self._overflowed = False
+            self._emit_snapshot()
+        elif self._snapshot_requested:
+            self._snapshot_requested = False
+            self._emit_snapshot()
+        q = self._events
+        n = len(q) if max_events is None else min(max_events, len(q))
+        out = [q.popleft() for _ in range(n)]
+        self._open_removed = None
+        return out
+
+    # ------------------------------------------------------------------ internals: blocks
+
+    def _new_block(self, slot: int) -> Block:
+        self._uid += 1
+        return Block(self._uid, slot)
+
+    def _new_block_retention(self, retention: KvCacheRetentionConfig | None, lo: int, hi: int,
+                             prompt_len: int, index: int) -> tuple[int, float | None]:
+        if retention is not None:
+            return retention.block_retention(lo, hi, prompt_len)
+        if self._adaptive is not None:
+            return self._adaptive.new_block(index, lo >= prompt_len)
+        return DEFAULT_PRIORITY, None
+
+    def _register(self, b: Block, digest: BlockDigest, parent: Block | None, num_tokens: int,
+                  lora_id: int | None, priority: int, duration: float | None,
+                  token_ids: Sequence[int] | None) -> None:
+        b.digest = digest
+        b.hash = block_hash(digest)
+        b.parent = parent
+        b.num_tokens = num_tokens
+        b.lora_id = lora_id
+        b.priority = priority
+        b.duration = duration
+        if self.config.emit_token_ids and token_ids is not None:
+            b.token_ids = tuple(token_ids)
+        if parent is not None:
+            b.depth = parent.depth + 1
+            parent.children += 1
+            parent.gpu_children += 1
+            # The parent is in use by this request (or, in decode, shared): not a candidate.
+            self._refresh(parent)
+        self._cached[digest] = b
+
+    def _stored_block(self, b: Block) -> StoredBlock:
+        return StoredBlock(block_hash=b.hash, num_tokens=b.num_tokens, lora_id=b.lora_id,
+                           cache_level=b.level, priority=b.priority,
+                           token_ids=list(b.token_ids) if b.token_ids is not None else None)
+
+    def _acquire(self, b: Block) -> None:
+        if b.ref == 0:
+            b.exp_version += 1  # the retention clock stops while the block is in use
+        b.ref += 1
+        self._refresh(b)
+
+    def _release(self, b: Block) -> None:
+        b.ref -= 1
+        if b.ref == 0:
+            self._tick += 1
+            b.last_used = self._tick
+            if b.duration is not None:
+                b.exp_version += 1
+                heapq.heappush(self._expiry, (self.clock() + b.duration, b.uid, b.exp_version, b))
+            self._refresh(b)
+
+    def _set_priority(self, b: Block, priority: int, duration: float | None) -> None:
+        b.duration = duration
+        if priority != b.priority:
+            old = b.priority
+            b.priority = priority
+            self.stats.reprioritizations += 1
+            self._emit(Updated(block_hash=b.hash, priority=PriorityDiff(old=old, new=priority)))
+            self._refresh(b)
+
+    def _is_candidate(self, b: Block) -> bool:
+        if b.ref != 0 or b.digest is None:
+            return False
+        return b.gpu_children == 0 if b.level == GPU else b.children == 0
+
+    def _refresh(self, b: Block) -> None:
+        """Re-key a block in its tier's eviction heap after a change (lazy deletion)."""
+        b.version += 1
+        if b.cand >= 0:
+            self._candidates[b.cand] -= 1
+            b.cand = -1
+        if self._is_candidate(b):
+            level = b.level
+            heap = self._heaps[level]
+            heapq.heappush(heap, (b.priority, b.last_used, b.uid, b.version, b))
+            b.cand = level
+            self._candidates[level] += 1
+            if len(heap) > 2 * self._candidates[level] + 1024:
+                self._compact(level)
+
+    def _compact(self, level: int) -> None:
+        """Drop stale heap entries (lazy deletion leaves them behind)."""
+        heap = [e for e in self._heaps[level] if e[3] == e[4].version and e[4].cand == level]
+        heapq.heapify(heap)
+        self._heaps[level] = heap
+
+    def _pop_candidate(self, level: int) -> Block | None:
+        """The tier's eviction victim: lowest priority, then least recently used."""
+        heap = self._heaps[level]
+        while heap:
+            _, _, _, version, b = heapq.heappop(heap)
+            if version == b.version and b.cand == level:
+                b.version += 1
+                b.cand = -1
+                self._candidates[level] -= 1
+                return b
+        return None
+
+    def _take_gpu_slot(self) -> int:
+        free = self._free[GPU]
+        if free:
+            return free.pop()
+        b = self._pop_candidate(GPU)
+        if b is None:
+            raise OutOfBlocks("every GPU block is in use")
+        slot = b.slot
+        offload = self._host_enabled and (
+            b.priority >= self.config.secondary_offload_min_priority or b.children > 0
+        )
+        host_slot = None
+        if offload:
+            try:
+                host_slot = self._take_host_slot(allow_fail=b.children == 0)
+            except OutOfBlocks:
+                self._refresh(b)  # it stays a GPU candidate
+                raise
+            offload = host_slot is not None
+        if offload:
+            assert host_slot is not None
+            self._copies.append(BlockCopy("offload", GPU, slot, HOST, host_slot))
+            b.level, b.slot = HOST, host_slot
+            if b.parent is not None:
+                b.parent.gpu_children -= 1
+                self._refresh(b.parent)
+            self.stats.offloads_by_priority[b.priority] = self.stats.offloads_by_priority.get(b.priority, 0) + 1
+            self._emit(Updated(block_hash=b.hash, cache_level=LevelDiff(old=GPU, new=HOST)))
+            self._refresh(b)
+        else:
+            self._remove(b)
+        return slot
+
+    def _take_host_slot(self, allow_fail: bool) -> int | None:
+        free = self._free[HOST]
+        if free:
+            return free.pop()
+        b = self._pop_candidate(HOST)
+        if b is None:
+            if allow_fail:
+                return None
+            raise OutOfBlocks("every host block is pinned")
+        slot = b.slot
+        self._remove(b)
+        return slot
+
+    def _remove(self, b: Block) -> None:
+        assert b.children == 0 and b.ref == 0 and b.digest is not None
+        del self._cached[b.digest]
+        stats = self.stats.evictions_by_priority
+        stats[b.priority] = stats.get(b.priority, 0) + 1
+        p = b.parent
+        if p is not None:
+            p.children -= 1
+            if b.level == GPU:
+                p.gpu_children -= 1
+            self._refresh(p)
+        b.digest = None
+        b.exp_version += 1
+        self._refresh(b)  # leaves any heap
+        # Consecutive removals within one operation share one `removed` event: `_emit` closes
+        # the open list whenever another event comes in between.
+        if self._open_removed is not None:
+            self._open_removed.append(b.hash)
+        else:
+            hashes = [b.hash]
+            self._emit(Removed(block_hashes=hashes))
+            self._open_removed = hashes
+
+    def _expire(self) -> None:
+        heap = self._expiry
+        if not heap:
+            return
+        now = self.clock()
+        while heap and heap[0][0] <= now:
+            _, _, exp_version, b = heapq.heappop(heap)
+            if exp_version != b.exp_version or b.digest is None:
+                continue
+            b.duration = None
+            self.stats.expirations += 1
+            if b.priority != DEFAULT_PRIORITY:
+                old = b.priority
+                b.priority = DEFAULT_PRIORITY
+                self._emit(Updated(block_hash=b.hash, priority=PriorityDiff(old=old, new=DEFAULT_PRIORITY)))
+                self._refresh(b)
+
+    # ------------------------------------------------------------------ internals: events
+
+    def _emit(self, data: EventData) -> None:
+        self._open_removed = None
+        if self._overflowed:
+            self.stats.events_overflowed += 1
+            return
+        q = self._events
+        if len(q) >= self.config.max_queued_events:
+            # Overflow: drop what is queued (never delivered, so its ids are reused) and owe the
+            # consumer a snapshot at the next drain.
+            self.stats.events_overflowed += len(q) + 1
+            self._next_event_id = q[0].event_id
+            q.clear()
+            self._overflowed = True
+            return
+        q.append(Event(event_id=self._next_event_id, window_size=self.config.window_size, data=data))
+        self._next_event_id += 1
+        self.stats.events_emitted += 1
+
+    def _emit_snapshot(self) -> None:
+        self.stats.snapshots += 1
+        self._emit(Snapshot(blocks=self.cached_blocks()))
+
+    def _close_removed(self) -> None:
+        self._open_removed = None
