@@ -19,7 +19,10 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from kvflow.stack import ServiceStatus, Stack, StackError, redact_url
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, help="kvflow: see and use the KV cache of an LLM inference fleet.")
+app = typer.Typer(
+    no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+    help="kvflow: see and use the KV cache of an LLM inference fleet.",
+)
 stack_app = typer.Typer(no_args_is_help=True, help="The local development stack (Kafka + PostgreSQL).")
 db_app = typer.Typer(no_args_is_help=True, help="Database schema migrations (Alembic).")
 app.add_typer(stack_app, name="stack")
@@ -151,6 +154,28 @@ def topics_ensure() -> None:
     for spec in topic_specs(settings):
         state = "created" if spec.name in created else "exists"
         console.print(f"{spec.name}: {state} ({spec.partitions} partitions)")
+
+
+schema_app = typer.Typer(no_args_is_help=True, help="The wire schema as JSON Schema.")
+app.add_typer(schema_app, name="schema")
+
+
+@schema_app.command("export")
+def schema_export(
+    out_dir: Annotated[str, typer.Option("--out", help="Folder to write *.schema.json into.")] = "docs/schema",
+) -> None:
+    """Write the JSON Schema of EventBatch, NodeStats and ControlCommand (eventbus.protocol)."""
+    import json
+    from pathlib import Path
+
+    from eventbus.protocol import json_schemas
+
+    folder = Path(out_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, schema in json_schemas().items():
+        path = folder / f"{name}.schema.json"
+        path.write_text(json.dumps(schema, indent=2, sort_keys=True) + "\n")
+        console.print(f"wrote {path}")
 
 
 def main() -> None:

@@ -656,7 +656,7 @@ class KVCacheManager:
         if self._open_removed is not None:
             self._open_removed.append(b.hash)
         else:
-            hashes = [b.hash]
+            hashes: list[int] = [b.hash]
             self._emit(Removed(block_hashes=hashes))
             self._open_removed = hashes
 

@@ -14,6 +14,7 @@ ranges start on block boundaries.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,7 +86,7 @@ class KvCacheRetentionConfig:
             self, "decode_duration_s", _check_duration(self.decode_duration_s, "decode_duration_s")
         )
         ranges = tuple(sorted(self.token_ranges, key=lambda r: r.start))
-        for a, b in zip(ranges, ranges[1:], strict=False):
+        for a, b in itertools.pairwise(ranges):
             if a.end is None or a.end > b.start:
                 raise RetentionConfigError(
                     f"token ranges [{a.start}, {'end' if a.end is None else a.end}) and "

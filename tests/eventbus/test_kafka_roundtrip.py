@@ -16,7 +16,8 @@ pytestmark = pytest.mark.integration
 def _batch(node: str, first_id: int, n: int) -> p.EventBatch:
     events = [
         p.Event(event_id=first_id + i, window_size=32,
-                data=p.Stored(parent_hash=None, blocks=[p.StoredBlock(block_hash=(1 << 63) + i, num_tokens=32, priority=100)]))
+                data=p.Stored(parent_hash=None,
+                              blocks=[p.StoredBlock(block_hash=(1 << 63) + i, num_tokens=32, priority=100)]))
         for i in range(n)
     ]
     return p.EventBatch(schema_version=1, node_id=node, instance_id="inst-1", ts=time.time(), events=events)

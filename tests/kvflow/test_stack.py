@@ -10,7 +10,18 @@ from pathlib import Path
 
 import pytest
 
-from kvflow.stack import Kafka, Paths, Postgres, Stack, StackError, StackSettings, find_pg_bindir, pid_alive, port_open, project_dir
+from kvflow.stack import (
+    Kafka,
+    Paths,
+    Postgres,
+    Stack,
+    StackError,
+    StackSettings,
+    find_pg_bindir,
+    pid_alive,
+    port_open,
+    project_dir,
+)
 
 
 def _free_port() -> int:
@@ -37,7 +48,8 @@ def test_broker_config_is_the_checked_in_file_plus_this_stacks_listeners(tmp_pat
     assert props["group.initial.rebalance.delay.ms"] == "0"
     assert props["offsets.topic.replication.factor"] == "1"
     # Each key once: the overrides replaced the placeholders.
-    keys = [ln.split("=", 1)[0] for ln in paths.kafka_conf.read_text().splitlines() if "=" in ln and not ln.startswith("#")]
+    lines = paths.kafka_conf.read_text().splitlines()
+    keys = [ln.split("=", 1)[0] for ln in lines if "=" in ln and not ln.startswith("#")]
     assert len(keys) == len(set(keys))
 
 
