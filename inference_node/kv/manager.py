@@ -56,7 +56,7 @@ from eventbus.protocol import (
     StoredBlock,
     Updated,
 )
-from inference_node.kv.adaptive import AdaptivePolicy
+from inference_node.kv.adaptive import AdaptivePolicy, BlockContext
 from inference_node.kv.clock import Clock, monotonic
 from inference_node.kv.prompt import Prompt
 from inference_node.kv.retention import KvCacheRetentionConfig
@@ -150,8 +150,8 @@ class Block:
 
     __slots__ = (
         "cand", "children", "depth", "digest", "duration", "exp_version", "gpu_children", "hash", "hits",
-        "last_used", "level", "lora_id", "num_tokens", "parent", "priority", "ref", "slot",
-        "token_ids", "uid", "version",
+        "last_used", "level", "lora_id", "num_tokens", "parent", "priority", "ref", "released_at", "slot",
+        "tag", "token_ids", "uid", "version",
     )
 
     def __init__(self, uid: int, slot: int) -> None:
@@ -172,6 +172,8 @@ class Block:
         self.gpu_children = 0  # cached children on the GPU
         self.depth = 0
         self.hits = 0
+        self.tag = -1  # the adaptive policy's class of the block
+        self.released_at = 0.0  # clock time it last became evictable
         self.version = 0  # bumped whenever the eviction-heap key or candidacy changes
         self.cand = -1  # the tier whose eviction heap holds a live entry for it, or -1
         self.exp_version = 0  # bumped whenever the expiry timer changes
@@ -211,6 +213,12 @@ class KVCacheManager:
         self._copies: list[BlockCopy] = []
         self.stats = KvStats()
         self._adaptive = config.adaptive
+        if self._adaptive is not None:
+            size = config.num_gpu_blocks + config.num_host_blocks
+            if self._adaptive.ghost_capacity <= 0:
+                self._adaptive.ghost_capacity = 4 * size
+            if self._adaptive.shadow_capacity <= 0:
+                self._adaptive.shadow_capacity = size
         # Events.
         self._events: deque[Event] = deque()
         self._next_event_id = 0
@@ -283,14 +291,19 @@ class KVCacheManager:
             self._emit(Updated(block_hash=b.hash, cache_level=LevelDiff(old=HOST, new=GPU)))
 
         # 4. Re-prioritize reused blocks.
+        adaptive = self._adaptive
+        now = self.clock() if adaptive is not None else 0.0
+        if adaptive is not None:
+            adaptive.on_lookup(prompt.digests, len(matched), now)
         for i, b in enumerate(matched):
             if retention is not None:
                 prio, dur = retention.block_retention(i * bs, (i + 1) * bs, prompt.num_tokens)
                 self._set_priority(b, prio, dur)
-            elif self._adaptive is not None:
-                raised = self._adaptive.on_reuse(b.priority, b.hits, b.depth)
+            elif adaptive is not None:
+                raised = adaptive.on_reuse(b.tag, b.priority, b.hits, now - b.released_at)
                 if raised is not None and raised[0] >= b.priority:
                     self._set_priority(b, raised[0], raised[1])
+                    b.tag = raised[2]
             b.hits += 1
 
         # 5. New blocks: full ones are cached (one chained `stored` event), the tail is private.
@@ -302,7 +315,8 @@ class KVCacheManager:
             b = self._new_block(next(slot_iter))
             if i < n_full:
                 lo, hi = i * bs, (i + 1) * bs
-                prio, dur = self._new_block_retention(retention, lo, hi, prompt.num_tokens, i)
+                prio, dur = self._new_block_retention(b, retention, lo, hi, prompt.num_tokens, i, n_full,
+                                                      len(matched))
                 toks = prompt.token_ids[lo:hi] if prompt.token_ids is not None else None
                 self._register(b, prompt.digests[i], parent, bs, prompt.lora_id, prio, dur, toks)
                 stored.append(self._stored_block(b))
@@ -372,8 +386,8 @@ class KVCacheManager:
             # Cache it unless an equal block is cached already, or this request's previous block
             # is not the cached one (a private duplicate): children hang off pinned GPU parents.
             if digest not in self._cached and (parent is None or parent.digest == parent_digest):
-                prio, dur = self._new_block_retention(req.retention, idx * bs, (idx + 1) * bs,
-                                                      req.prompt.num_tokens, idx)
+                prio, dur = self._new_block_retention(block, req.retention, idx * bs, (idx + 1) * bs,
+                                                      req.prompt.num_tokens, idx, len(req.prompt.digests), 0)
                 self._register(block, digest, parent, bs, req.prompt.lora_id, prio, dur, toks)
                 self._emit(Stored(parent_hash=parent.hash if parent is not None else None,
                                   blocks=[self._stored_block(block)]))
@@ -495,12 +509,16 @@ class KVCacheManager:
         self._uid += 1
         return Block(self._uid, slot)
 
-    def _new_block_retention(self, retention: KvCacheRetentionConfig | None, lo: int, hi: int,
-                             prompt_len: int, index: int) -> tuple[int, float | None]:
+    def _new_block_retention(self, b: Block, retention: KvCacheRetentionConfig | None, lo: int, hi: int,
+                             prompt_len: int, index: int, prompt_blocks: int,
+                             matched: int) -> tuple[int, float | None]:
         if retention is not None:
             return retention.block_retention(lo, hi, prompt_len)
         if self._adaptive is not None:
-            return self._adaptive.new_block(index, lo >= prompt_len)
+            prio, dur, b.tag = self._adaptive.new_block(
+                BlockContext(index=index, prompt_blocks=prompt_blocks, matched_blocks=matched,
+                             is_decode=lo >= prompt_len))
+            return prio, dur
         return DEFAULT_PRIORITY, None
 
     def _register(self, b: Block, digest: BlockDigest, parent: Block | None, num_tokens: int,
@@ -539,9 +557,11 @@ class KVCacheManager:
         if b.ref == 0:
             self._tick += 1
             b.last_used = self._tick
-            if b.duration is not None:
-                b.exp_version += 1
-                heapq.heappush(self._expiry, (self.clock() + b.duration, b.uid, b.exp_version, b))
+            if b.duration is not None or self._adaptive is not None:
+                b.released_at = now = self.clock()
+                if b.duration is not None:
+                    b.exp_version += 1
+                    heapq.heappush(self._expiry, (now + b.duration, b.uid, b.exp_version, b))
             self._refresh(b)
 
     def _set_priority(self, b: Block, priority: int, duration: float | None) -> None:
@@ -640,6 +660,9 @@ class KVCacheManager:
     def _remove(self, b: Block) -> None:
         assert b.children == 0 and b.ref == 0 and b.digest is not None
         del self._cached[b.digest]
+        if self._adaptive is not None:
+            now = self.clock()
+            self._adaptive.on_evict(b.digest, b.tag, now - b.released_at, now)
         stats = self.stats.evictions_by_priority
         stats[b.priority] = stats.get(b.priority, 0) + 1
         p = b.parent

@@ -21,7 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from eventbus.hashing import block_digest, block_hash
 from eventbus.protocol import DEFAULT_PRIORITY
 from eventbus.replay import NodeState
-from inference_node.kv.adaptive import AdaptivePolicy
+from inference_node.kv.adaptive import AdaptivePolicy, BlockContext
 from inference_node.kv.clock import ManualClock
 from inference_node.kv.manager import KvCacheConfig, KVCacheManager, OutOfBlocks
 from inference_node.kv.prompt import Prompt
@@ -41,6 +41,8 @@ class RBlock:
     last_used: int = 0
     expires_at: float | None = None
     hits: int = 0
+    tag: int = -1
+    released_at: float = 0.0
 
 
 @dataclass
@@ -95,9 +97,15 @@ class Reference:
         if b.ref == 0:
             self.tick += 1
             b.last_used = self.tick
+            b.released_at = now
             b.expires_at = now + b.duration if b.duration is not None else None
 
-    def take_gpu(self) -> None:
+    def evict(self, d: bytes, now: float) -> None:
+        b = self.blocks.pop(d)
+        if self.adaptive is not None:
+            self.adaptive.on_evict(d, b.tag, now - b.released_at, now)
+
+    def take_gpu(self, now: float) -> None:
         if self.free_gpu:
             self.free_gpu -= 1
             return
@@ -113,19 +121,20 @@ class Reference:
                 return
             h = self.victim(1)
             if h is not None:
-                del self.blocks[h]
+                self.evict(h, now)
                 b.level = 1
                 return
             if has_children:
                 raise OutOfBlocksRef
-        del self.blocks[d]
+        self.evict(d, now)
 
-    def retention_of(self, ret, lo, hi, n, index):
+    def retention_of(self, ret, lo, hi, n, index, prompt_blocks, matched):
+        """(priority, duration, adaptive class)."""
         if ret is not None:
-            return ret.block_retention(lo, hi, n)
+            return (*ret.block_retention(lo, hi, n), -1)
         if self.adaptive is not None:
-            return self.adaptive.new_block(index, lo >= n)
-        return DEFAULT_PRIORITY, None
+            return self.adaptive.new_block(BlockContext(index, prompt_blocks, matched, lo >= n))
+        return DEFAULT_PRIORITY, None, -1
 
     # -- operations
     def allocate(self, rid: str, prompt: Prompt, ret, now: float) -> None:
@@ -145,7 +154,7 @@ class Reference:
         taken = 0
         try:
             for _ in range(needed):
-                self.take_gpu()
+                self.take_gpu(now)
                 taken += 1
         except OutOfBlocksRef:
             self.free_gpu += taken
@@ -155,22 +164,27 @@ class Reference:
         for d in onboard:
             self.blocks[d].level = 0
             self.free_host += 1
+        if self.adaptive is not None:
+            self.adaptive.on_lookup(prompt.digests, len(matched), now)
         for i, d in enumerate(matched):
             b = self.blocks[d]
             if ret is not None:
                 b.priority, b.duration = ret.block_retention(i * BS, (i + 1) * BS, prompt.num_tokens)
             elif self.adaptive is not None:
-                raised = self.adaptive.on_reuse(b.priority, b.hits, i)
+                raised = self.adaptive.on_reuse(b.tag, b.priority, b.hits, now - b.released_at)
                 if raised is not None and raised[0] >= b.priority:
-                    b.priority, b.duration = raised
+                    if raised[0] != b.priority:
+                        b.priority = raised[0]
+                    b.duration, b.tag = raised[1], raised[2]
             b.hits += 1
         entries: list[bytes | None] = list(matched)
         parent = matched[-1] if matched else None
         for i in range(len(matched), n_blocks):
             if i < len(prompt.digests):
                 d = prompt.digests[i]
-                pr, du = self.retention_of(ret, i * BS, (i + 1) * BS, prompt.num_tokens, i)
-                self.blocks[d] = RBlock(parent, 0, pr, du)
+                pr, du, tag = self.retention_of(ret, i * BS, (i + 1) * BS, prompt.num_tokens, i,
+                                                len(prompt.digests), len(matched))
+                self.blocks[d] = RBlock(parent, 0, pr, du, tag=tag)
                 entries.append(d)
                 parent = d
             else:
@@ -184,7 +198,7 @@ class Reference:
         idx = r.num_tokens // BS
         if idx == len(r.entries):
             self.expire(now)
-            self.take_gpu()
+            self.take_gpu(now)
             r.entries.append(None)
         r.num_tokens += 1
         r.tokens.append(token)
@@ -196,8 +210,9 @@ class Reference:
             r.last_full = d
             prev = r.entries[idx - 1] if idx > 0 else None
             if d not in self.blocks and (idx == 0 or (prev is not None and prev == parent_digest)):
-                pr, du = self.retention_of(r.retention, idx * BS, (idx + 1) * BS, r.prompt.num_tokens, idx)
-                self.blocks[d] = RBlock(prev, 0, pr, du)
+                pr, du, tag = self.retention_of(r.retention, idx * BS, (idx + 1) * BS, r.prompt.num_tokens, idx,
+                                                len(r.prompt.digests), 0)
+                self.blocks[d] = RBlock(prev, 0, pr, du, tag=tag)
                 r.entries[idx] = d
 
     def free(self, rid: str, now: float) -> None:
@@ -229,12 +244,18 @@ class CacheMachine(RuleBasedStateMachine):
     @initialize(gpu=st.integers(3, 10), host=st.sampled_from([0, 0, 2, 5]), min_offload=st.sampled_from([0, 35, 60]),
                 max_events=st.sampled_from([3, 10_000]), adaptive=st.booleans())
     def setup(self, gpu, host, min_offload, max_events, adaptive):
-        policy = AdaptivePolicy(protect_s=3.0) if adaptive else None
+        # Two instances of the (stateful, deterministic) policy see the same calls.
+        def policy():
+            return AdaptivePolicy(prior_gap_s=2.0, min_samples=2.0, window=8) if adaptive else None
         self.clock = ManualClock()
         self.core = KVCacheManager(KvCacheConfig(
             num_gpu_blocks=gpu, num_host_blocks=host, block_size=BS, secondary_offload_min_priority=min_offload,
-            max_queued_events=max_events, adaptive=policy), clock=self.clock)
-        self.ref = Reference(gpu, host, min_offload, policy)
+            max_queued_events=max_events, adaptive=policy()), clock=self.clock)
+        ref_policy = policy()
+        if ref_policy is not None:
+            ref_policy.ghost_capacity = 4 * (gpu + host)
+            ref_policy.shadow_capacity = gpu + host
+        self.ref = Reference(gpu, host, min_offload, ref_policy)
         self.replayed = NodeState()
         self.next_id = 0
         self.capacity = gpu
