@@ -237,12 +237,14 @@ class AdaptivePolicy:
             self._window_actual = self._window_shadow = self._window_seen = 0
             self._ranks = None
 
-    def describe(self) -> list[dict[str, float | int | None]]:
-        """The learned table, for the node's stats endpoint and the benchmarks."""
-        rows: list[dict[str, float | int | None]] = []
+    def describe(self) -> dict[str, object]:
+        """The learned state, for the node's stats endpoint and the benchmarks."""
+        classes = []
         for c, (priority, duration) in enumerate(self._table()):
-            rows.append({"class": c, "probability": round(self.probability(c), 4),
-                         "mean_gap_s": round(self.mean_gap_s(c), 2), "priority": priority,
-                         "duration_s": None if duration is None else round(duration, 2)})
-        rows.append({"strength": round(self._strength, 2)})
-        return rows
+            s = self._stats[c]
+            if s.reused + s.evicted == 0:
+                continue
+            classes.append({"class": c, "probability": round(self.probability(c), 4),
+                            "mean_gap_s": round(self.mean_gap_s(c), 2), "priority": priority,
+                            "duration_s": None if duration is None else round(duration, 2)})
+        return {"strength": round(self._strength, 2), "classes": classes}
