@@ -31,6 +31,8 @@ ROOT: Final = BlockDigest(b"\x00" * DIGEST_SIZE)
 DEFAULT_BLOCK_SIZE: Final = 32
 
 _HEADER = struct.Struct("<BQII")
+# NOTE: copying a personalized hasher is ~30% cheaper than constructing one per block.
+_BASE = hashlib.blake2b(digest_size=DIGEST_SIZE, person=PERSON)
 _TOKEN_ARRAY_CODE = "I" if array("I").itemsize == 4 else "L"
 assert array(_TOKEN_ARRAY_CODE).itemsize == 4
 _SWAP = sys.byteorder != "little"
@@ -72,7 +74,7 @@ def block_digest(
     count = num_tokens if num_tokens is not None else len(packed) // 4
     salt = _salt_bytes(cache_salt) if parent is None else b""
     flags = (1 if lora_id is not None else 0) | (2 if salt else 0)
-    h = hashlib.blake2b(digest_size=DIGEST_SIZE, person=PERSON)
+    h = _BASE.copy()
     h.update(parent if parent is not None else ROOT)
     h.update(_HEADER.pack(flags, lora_id or 0, count, len(salt)))
     if salt:
@@ -106,18 +108,20 @@ def chain_digests(
     salt = _salt_bytes(cache_salt)
     lora = lora_id or 0
     lora_flag = 1 if lora_id is not None else 0
-    blake2b = hashlib.blake2b
-    header = _HEADER.pack
+    copy = _BASE.copy
+    plain_header = _HEADER.pack(lora_flag, lora, block_size, 0)
     for i in range(n_full):
-        first_salt = salt if prev is None else b""
-        h = blake2b(digest_size=DIGEST_SIZE, person=PERSON)
-        h.update(prev if prev is not None else ROOT)
-        h.update(header(lora_flag | (2 if first_salt else 0), lora, block_size, len(first_salt)))
-        if first_salt:
-            h.update(first_salt)
+        h = copy()
+        if prev is None:
+            h.update(ROOT)
+            h.update(_HEADER.pack(lora_flag | (2 if salt else 0), lora, block_size, len(salt)))
+            h.update(salt)
+        else:
+            h.update(prev)
+            h.update(plain_header)
         h.update(packed[i * step : (i + 1) * step])
-        prev = BlockDigest(h.digest())
-        out.append(prev)
+        prev = h.digest()
+        out.append(prev)  # type: ignore[arg-type]  # NOTE: BlockDigest is bytes; no NewType call per block
     return out
 
 

@@ -55,8 +55,8 @@ NodeId = NewType("NodeId", str)
 InstanceId = NewType("InstanceId", str)
 EventId = NewType("EventId", int)
 
-# NOTE: msgspec cannot express bounds beyond int64 in Meta; the upper bound of U64 is enforced
-# by the __post_init__ hooks below (msgspec turns their ValueError into a ValidationError).
+# NOTE: msgspec cannot express bounds beyond int64 in Meta; the upper bound of U64 is checked by
+# decode_batch (_check_hashes) at the trust boundary, not on every construction by a producer.
 U64 = Annotated[int, Meta(ge=0, description="Unsigned 64-bit block hash (0 .. 2**64-1).")]
 NonNegInt = Annotated[int, Meta(ge=0)]
 Priority = Annotated[int, Meta(ge=MIN_PRIORITY, le=MAX_PRIORITY, description="0 (evict first) to 100.")]
@@ -66,12 +66,6 @@ WindowSize = Annotated[int, Meta(ge=0, le=MAX_WINDOW_SIZE)]
 TokenId = Annotated[int, Meta(ge=0, le=(1 << 32) - 1)]
 LoraId = Annotated[int, Meta(ge=0, le=(1 << 63) - 1, description="LoRA adapter id; null = base model.")]
 Name = Annotated[str, Meta(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@/-]*$")]
-
-
-def _check_u64(*values: int | None) -> None:
-    for v in values:
-        if v is not None and v > U64_MAX:
-            raise ValueError(f"block hash {v} does not fit in 64 bits")
 
 
 def to_sql(h: int) -> int:
@@ -92,8 +86,9 @@ class EventKind(enum.StrEnum):
     SNAPSHOT = "snapshot"
 
 
-class _Strict(Struct, forbid_unknown_fields=True, omit_defaults=False):
-    pass
+class _Strict(Struct, forbid_unknown_fields=True, omit_defaults=False, gc=False):
+    """Strict decoding. ``gc=False``: messages hold no reference cycles, so the cyclic garbage
+    collector need not track them (a node queues many thousands)."""
 
 
 class StoredBlock(_Strict):
@@ -106,9 +101,6 @@ class StoredBlock(_Strict):
     priority: Priority = DEFAULT_PRIORITY
     token_ids: Annotated[list[TokenId], Meta(max_length=MAX_BLOCK_TOKENS)] | None = None
 
-    def __post_init__(self) -> None:
-        _check_u64(self.block_hash)
-
 
 class SnapshotBlock(_Strict):
     """A block of a ``snapshot``: the whole state of one cached block."""
@@ -119,9 +111,6 @@ class SnapshotBlock(_Strict):
     lora_id: LoraId | None = None
     cache_level: CacheLevel = 0
     priority: Priority = DEFAULT_PRIORITY
-
-    def __post_init__(self) -> None:
-        _check_u64(self.block_hash, self.parent_hash)
 
 
 class Created(_Strict, tag="created", tag_field="type"):
@@ -136,18 +125,11 @@ class Stored(_Strict, tag="stored", tag_field="type"):
     parent_hash: U64 | None
     blocks: Annotated[list[StoredBlock], Meta(min_length=1, max_length=MAX_BLOCKS_PER_EVENT)]
 
-    def __post_init__(self) -> None:
-        _check_u64(self.parent_hash)
-
 
 class Removed(_Strict, tag="removed", tag_field="type"):
     """Blocks left the cache (from whichever level they were on)."""
 
     block_hashes: Annotated[list[U64], Meta(min_length=1, max_length=MAX_BLOCKS_PER_EVENT)]
-
-    def __post_init__(self) -> None:
-        if max(self.block_hashes) > U64_MAX:
-            _check_u64(max(self.block_hashes))
 
 
 class LevelDiff(_Strict):
@@ -166,9 +148,6 @@ class Updated(_Strict, tag="updated", tag_field="type"):
     block_hash: U64
     cache_level: LevelDiff | None = None
     priority: PriorityDiff | None = None
-
-    def __post_init__(self) -> None:
-        _check_u64(self.block_hash)
 
 
 class Snapshot(_Strict, tag="snapshot", tag_field="type"):
@@ -292,7 +271,25 @@ def decode_batch(raw: bytes | bytearray | memoryview | str, max_bytes: int = MAX
                 "invalid", f"event_id {ev.event_id} at $.events[{i}] does not follow {prev} (batches are contiguous)"
             )
         prev = ev.event_id
+        _check_hashes(ev.data, i)
     return batch
+
+
+def _check_hashes(d: EventData, i: int) -> None:
+    """The upper bound of U64 (JSON integers beyond 64 bits decode as Python ints)."""
+    if isinstance(d, Stored):
+        values: list[int | None] = [d.parent_hash, *(b.block_hash for b in d.blocks)]
+    elif isinstance(d, Removed):
+        values = [max(d.block_hashes)]
+    elif isinstance(d, Updated):
+        values = [d.block_hash]
+    elif isinstance(d, Snapshot):
+        values = [max((max(b.block_hash, b.parent_hash or 0) for b in d.blocks), default=0)]
+    else:
+        return
+    for v in values:
+        if v is not None and v > U64_MAX:
+            raise ProtocolError("invalid", f"block hash {v} at $.events[{i}] does not fit in 64 bits")
 
 
 def decode_stats(raw: bytes | bytearray | memoryview | str, max_bytes: int = 1 << 20) -> NodeStats:

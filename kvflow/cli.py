@@ -178,6 +178,31 @@ def schema_export(
         console.print(f"wrote {path}")
 
 
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: figures against a baseline measured in the same run.")
+app.add_typer(bench_app, name="bench")
+
+JsonOpt = Annotated[str | None, typer.Option("--json", help="Write the result as JSON to this file.")]
+QuickOpt = Annotated[bool, typer.Option("--quick", help="A small, fast version (for smoke tests).")]
+
+
+@bench_app.command("kv")
+def bench_kv_cmd(json_path: JsonOpt = None, quick: QuickOpt = False,
+                 repeats: Annotated[int, typer.Option(help="Interleaved rounds.")] = 5) -> None:
+    """KV core: cost per operation vs an OrderedDict LRU; hit rates vs LRU and Belady on Mooncake."""
+    from kvflow.bench.kv import bench_kv
+
+    def run() -> None:
+        kw = {"num_blocks": 2_000, "requests": 1_500, "repeats": 2, "capacities": (400,), "trace_limit": 1_500} \
+            if quick else {"repeats": repeats}
+        result = bench_kv(say=lambda m: console.print(f"[dim]{m}[/]"), **kw)  # type: ignore[arg-type]
+        result.print(console)
+        if json_path:
+            result.write_json(json_path)
+            console.print(f"wrote {json_path}")
+
+    guarded("bench kv", run)
+
+
 def main() -> None:
     try:
         app()

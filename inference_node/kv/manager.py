@@ -27,8 +27,9 @@ Every change of the cached set is an event (``created``, ``stored``, ``removed``
 them. The queue is bounded; on overflow the queued events are dropped, counted, and replaced by a
 ``snapshot`` at the next drain, with no gap in ``event_id``.
 
-Complexity: lookups are dict operations; eviction and expiry use binary heaps with lazy
-deletion (O(log n) per operation, amortized).
+Complexity: lookups are dict operations; the eviction order is kept per tier by
+:class:`~inference_node.kv.eviction.EvictionIndex` (O(1) for the common operations, O(log n) at
+worst); expiries use a binary heap with lazy deletion.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from eventbus.protocol import (
 )
 from inference_node.kv.adaptive import AdaptivePolicy, BlockContext
 from inference_node.kv.clock import Clock, monotonic
+from inference_node.kv.eviction import PARKED, EvictionIndex
 from inference_node.kv.prompt import Prompt
 from inference_node.kv.retention import KvCacheRetentionConfig
 
@@ -150,32 +152,34 @@ class Block:
 
     __slots__ = (
         "cand", "children", "depth", "digest", "duration", "exp_version", "gpu_children", "hash", "hits",
-        "last_used", "level", "lora_id", "num_tokens", "parent", "priority", "ref", "released_at", "slot",
-        "tag", "token_ids", "uid", "version",
+        "last_used", "level", "lora_id", "num_tokens", "parent", "priority", "ref", "released_at", "side_ver",
+        "slot", "tag", "token_ids", "uid",
     )
 
-    def __init__(self, uid: int, slot: int) -> None:
+    def __init__(self, uid: int, slot: int, digest: BlockDigest | None = None, hash_: int = 0,
+                 parent: Block | None = None, num_tokens: int = 0, lora_id: int | None = None,
+                 priority: int = DEFAULT_PRIORITY, duration: float | None = None) -> None:
         self.uid = uid
         self.slot = slot
         self.level = GPU
-        self.digest: BlockDigest | None = None  # None: private (not cached, not shared)
-        self.hash: BlockHash = BlockHash(0)
-        self.parent: Block | None = None
-        self.num_tokens = 0
-        self.lora_id: int | None = None
+        self.digest = digest  # None: private (not cached, not shared)
+        self.hash: BlockHash = hash_  # type: ignore[assignment]  # NOTE: no NewType call on the hot path
+        self.parent = parent
+        self.num_tokens = num_tokens
+        self.lora_id = lora_id
         self.token_ids: tuple[int, ...] | None = None
-        self.priority = DEFAULT_PRIORITY
-        self.duration: float | None = None
+        self.priority = priority
+        self.duration = duration
         self.ref = 1
         self.last_used = 0
         self.children = 0  # cached children on any tier
         self.gpu_children = 0  # cached children on the GPU
-        self.depth = 0
+        self.depth = parent.depth + 1 if parent is not None else 0
         self.hits = 0
         self.tag = -1  # the adaptive policy's class of the block
         self.released_at = 0.0  # clock time it last became evictable
-        self.version = 0  # bumped whenever the eviction-heap key or candidacy changes
-        self.cand = -1  # the tier whose eviction heap holds a live entry for it, or -1
+        self.cand = 0  # where the tier's EvictionIndex holds it (eviction.NOT_EVICTABLE, IN_LIST, …)
+        self.side_ver = 0  # validates its entry in an EvictionIndex heap
         self.exp_version = 0  # bumped whenever the expiry timer changes
 
 
@@ -190,6 +194,14 @@ class _Request:
     last_full_digest: BlockDigest | None
 
 
+def _gpu_leaf(b: Block) -> bool:
+    return b.gpu_children == 0
+
+
+def _host_leaf(b: Block) -> bool:
+    return b.children == 0
+
+
 class KVCacheManager:
     """One node's KV cache bookkeeping (see the module docstring for the semantics)."""
 
@@ -197,6 +209,7 @@ class KVCacheManager:
         self.config = config
         self.clock = clock
         self.block_size = config.block_size
+        self._window_size = config.window_size
         self._host_enabled = config.num_host_blocks > 0
         # NOTE: free lists pop from the end; reversed so that slot 0 is handed out first.
         self._free: list[list[int]] = [
@@ -204,8 +217,7 @@ class KVCacheManager:
             list(range(config.num_host_blocks - 1, -1, -1)),
         ]
         self._cached: dict[BlockDigest, Block] = {}
-        self._heaps: list[list[tuple[int, int, int, int, Block]]] = [[], []]
-        self._candidates = [0, 0]  # live heap entries per level
+        self._index = [EvictionIndex(_gpu_leaf), EvictionIndex(_host_leaf)]
         self._expiry: list[tuple[float, int, int, Block]] = []
         self._requests: dict[str, _Request] = {}
         self._uid = 0
@@ -252,25 +264,44 @@ class KVCacheManager:
 
         # 1. Longest cached prefix (contiguous by construction); pin it at once.
         matched: list[Block] = []
+        onboard: list[Block] = []
         cached = self._cached
+        index = self._index
+        idle: list[Block] = []
         for d in prompt.digests:
             b = cached.get(d)
             if b is None:
                 break
+            if not b.ref:
+                b.exp_version += 1  # the retention clock stops while the block is in use
+                idle.append(b)
+            b.ref += 1
+            b.hits += 1
             matched.append(b)
-        for b in matched:
-            self._acquire(b)
+            if b.level:
+                onboard.append(b)
+        if idle:  # in use now: they leave the eviction order
+            if onboard:
+                for b in idle:
+                    index[b.level].discard(b)
+            else:
+                index[GPU].discard_all(idle)
 
         # 2. GPU slots for onboarding and for the new blocks (may evict; may fail).
-        onboard = [b for b in matched if b.level == HOST]
         needed = len(onboard) + n_blocks - len(matched)
+        free = self._free[GPU]
         slots: list[int] = []
         try:
-            for _ in range(needed):
-                slots.append(self._take_gpu_slot())
+            if needed <= len(free):
+                slots = free[len(free) - needed:][::-1]
+                del free[len(free) - needed:]
+            else:
+                for _ in range(needed):
+                    slots.append(free.pop() if free else self._take_gpu_slot())
         except OutOfBlocks:
             self._free[GPU].extend(reversed(slots))
             for b in reversed(matched):
+                b.hits -= 1
                 self._release(b)
             self.stats.rejected_requests += 1
             self._close_removed()
@@ -292,38 +323,58 @@ class KVCacheManager:
 
         # 4. Re-prioritize reused blocks.
         adaptive = self._adaptive
-        now = self.clock() if adaptive is not None else 0.0
-        if adaptive is not None:
-            adaptive.on_lookup(prompt.digests, len(matched), now)
-        for i, b in enumerate(matched):
-            if retention is not None:
-                prio, dur = retention.block_retention(i * bs, (i + 1) * bs, prompt.num_tokens)
-                self._set_priority(b, prio, dur)
-            elif adaptive is not None:
-                raised = adaptive.on_reuse(b.tag, b.priority, b.hits, now - b.released_at)
-                if raised is not None and raised[0] >= b.priority:
-                    self._set_priority(b, raised[0], raised[1])
-                    b.tag = raised[2]
-            b.hits += 1
+        if adaptive is not None or retention is not None:
+            now = self.clock() if adaptive is not None else 0.0
+            if adaptive is not None:
+                adaptive.on_lookup(prompt.digests, len(matched), now)
+            for i, b in enumerate(matched):
+                if retention is not None:
+                    prio, dur = retention.block_retention(i * bs, (i + 1) * bs, prompt.num_tokens)
+                    self._set_priority(b, prio, dur)
+                elif adaptive is not None:
+                    raised = adaptive.on_reuse(b.tag, b.priority, b.hits - 1, now - b.released_at)
+                    if raised is not None and raised[0] >= b.priority:
+                        self._set_priority(b, raised[0], raised[1])
+                        b.tag = raised[2]
 
         # 5. New blocks: full ones are cached (one chained `stored` event), the tail is private.
         blocks = list(matched)
         parent = matched[-1] if matched else None
         stored: list[StoredBlock] = []
         n_full = len(prompt.digests)
+        digests = prompt.digests
+        token_ids = prompt.token_ids if self.config.emit_token_ids else None
+        lora_id = prompt.lora_id
+        hinted = retention is not None or adaptive is not None
+        prio, dur = DEFAULT_PRIORITY, None
+        uid = self._uid
+        tag = -1
         for i in range(len(matched), n_blocks):
-            b = self._new_block(next(slot_iter))
+            uid += 1
             if i < n_full:
-                lo, hi = i * bs, (i + 1) * bs
-                prio, dur = self._new_block_retention(b, retention, lo, hi, prompt.num_tokens, i, n_full,
-                                                      len(matched))
-                toks = prompt.token_ids[lo:hi] if prompt.token_ids is not None else None
-                self._register(b, prompt.digests[i], parent, bs, prompt.lora_id, prio, dur, toks)
-                stored.append(self._stored_block(b))
+                lo = i * bs
+                if hinted:
+                    prio, dur, tag = self._new_block_retention(retention, lo, lo + bs, prompt.num_tokens, i,
+                                                               n_full, len(matched))
+                d = digests[i]
+                h = int.from_bytes(d[:8], "big")
+                b = Block(uid, next(slot_iter), d, h, parent, bs, lora_id, prio, dur)
+                b.tag = tag
+                if parent is not None:  # pinned by this request: not in an eviction index
+                    parent.children += 1
+                    parent.gpu_children += 1
+                cached[d] = b
+                toks = None
+                if token_ids is not None:
+                    b.token_ids = toks = tuple(token_ids[lo:lo + bs])
+                stored.append(StoredBlock(h, bs, lora_id, GPU, prio, list(toks) if toks is not None else None))
                 parent = b
+            else:
+                b = Block(uid, next(slot_iter))
             blocks.append(b)
+        self._uid = uid
         if stored:
-            self._emit(Stored(parent_hash=matched[-1].hash if matched else None, blocks=stored))
+            self._emit(Stored(matched[-1].hash if matched else None, stored))
 
         # 6. Bookkeeping.
         hit_tokens = len(matched) * bs
@@ -386,8 +437,8 @@ class KVCacheManager:
             # Cache it unless an equal block is cached already, or this request's previous block
             # is not the cached one (a private duplicate): children hang off pinned GPU parents.
             if digest not in self._cached and (parent is None or parent.digest == parent_digest):
-                prio, dur = self._new_block_retention(block, req.retention, idx * bs, (idx + 1) * bs,
-                                                      req.prompt.num_tokens, idx, len(req.prompt.digests), 0)
+                prio, dur, block.tag = self._new_block_retention(
+                    req.retention, idx * bs, (idx + 1) * bs, req.prompt.num_tokens, idx, len(req.prompt.digests), 0)
                 self._register(block, digest, parent, bs, req.prompt.lora_id, prio, dur, toks)
                 self._emit(Stored(parent_hash=parent.hash if parent is not None else None,
                                   blocks=[self._stored_block(block)]))
@@ -403,11 +454,24 @@ class KVCacheManager:
         """
         req = self._requests.pop(request_id)
         self._expire()
+        free = self._free[GPU]
+        released: list[Block] = []
+        tick = self._tick
+        timed = self._adaptive is not None
         for b in reversed(req.blocks):
             if b.digest is None:
-                self._free[GPU].append(b.slot)
-            else:
-                self._release(b)
+                free.append(b.slot)
+                continue
+            b.ref -= 1
+            if b.ref == 0:
+                tick += 1
+                b.last_used = tick
+                if b.duration is not None or timed:
+                    self._start_clock(b)
+                released.append(b)
+        self._tick = tick
+        # Blocks in use are on the GPU, and each release is the newest: the fast path applies.
+        self._index[GPU].add_released(released)
         self._close_removed()
 
     def tick(self) -> None:
@@ -453,7 +517,7 @@ class KVCacheManager:
     @property
     def evictable_blocks(self) -> tuple[int, int]:
         """Blocks that eviction could take right now, per tier."""
-        return self._candidates[GPU], self._candidates[HOST]
+        return self._index[GPU].count, self._index[HOST].count
 
     def cached_blocks(self) -> list[SnapshotBlock]:
         """The cache's ground truth, parents before children (as in a ``snapshot``)."""
@@ -509,17 +573,17 @@ class KVCacheManager:
         self._uid += 1
         return Block(self._uid, slot)
 
-    def _new_block_retention(self, b: Block, retention: KvCacheRetentionConfig | None, lo: int, hi: int,
+    def _new_block_retention(self, retention: KvCacheRetentionConfig | None, lo: int, hi: int,
                              prompt_len: int, index: int, prompt_blocks: int,
-                             matched: int) -> tuple[int, float | None]:
+                             matched: int) -> tuple[int, float | None, int]:
+        """Priority, duration and adaptive class of a new block."""
         if retention is not None:
-            return retention.block_retention(lo, hi, prompt_len)
+            return (*retention.block_retention(lo, hi, prompt_len), -1)
         if self._adaptive is not None:
-            prio, dur, b.tag = self._adaptive.new_block(
+            return self._adaptive.new_block(
                 BlockContext(index=index, prompt_blocks=prompt_blocks, matched_blocks=matched,
                              is_decode=lo >= prompt_len))
-            return prio, dur
-        return DEFAULT_PRIORITY, None
+        return DEFAULT_PRIORITY, None, -1
 
     def _register(self, b: Block, digest: BlockDigest, parent: Block | None, num_tokens: int,
                   lora_id: int | None, priority: int, duration: float | None,
@@ -533,12 +597,10 @@ class KVCacheManager:
         b.duration = duration
         if self.config.emit_token_ids and token_ids is not None:
             b.token_ids = tuple(token_ids)
-        if parent is not None:
+        if parent is not None:  # pinned by the request that stores b: not in an eviction index
             b.depth = parent.depth + 1
             parent.children += 1
             parent.gpu_children += 1
-            # The parent is in use by this request (or, in decode, shared): not a candidate.
-            self._refresh(parent)
         self._cached[digest] = b
 
     def _stored_block(self, b: Block) -> StoredBlock:
@@ -546,76 +608,49 @@ class KVCacheManager:
                            cache_level=b.level, priority=b.priority,
                            token_ids=list(b.token_ids) if b.token_ids is not None else None)
 
-    def _acquire(self, b: Block) -> None:
-        if b.ref == 0:
-            b.exp_version += 1  # the retention clock stops while the block is in use
-        b.ref += 1
-        self._refresh(b)
-
     def _release(self, b: Block) -> None:
         b.ref -= 1
         if b.ref == 0:
             self._tick += 1
             b.last_used = self._tick
             if b.duration is not None or self._adaptive is not None:
-                b.released_at = now = self.clock()
-                if b.duration is not None:
-                    b.exp_version += 1
-                    heapq.heappush(self._expiry, (now + b.duration, b.uid, b.exp_version, b))
-            self._refresh(b)
+                self._start_clock(b)
+            self._index[b.level].add(b)
+
+    def _start_clock(self, b: Block) -> None:
+        """b became evictable: note when, and start its retention duration if it has one."""
+        b.released_at = now = self.clock()
+        if b.duration is not None:
+            b.exp_version += 1
+            heapq.heappush(self._expiry, (now + b.duration, b.uid, b.exp_version, b))
 
     def _set_priority(self, b: Block, priority: int, duration: float | None) -> None:
         b.duration = duration
         if priority != b.priority:
             old = b.priority
-            b.priority = priority
+            self._rekey(b, priority)
             self.stats.reprioritizations += 1
             self._emit(Updated(block_hash=b.hash, priority=PriorityDiff(old=old, new=priority)))
-            self._refresh(b)
 
-    def _is_candidate(self, b: Block) -> bool:
-        if b.ref != 0 or b.digest is None:
-            return False
-        return b.gpu_children == 0 if b.level == GPU else b.children == 0
+    def _rekey(self, b: Block, priority: int) -> None:
+        """Change the priority of a block that may be evictable (it moves in its eviction order)."""
+        if b.cand:
+            index = self._index[b.level]
+            index.discard(b)
+            b.priority = priority
+            index.add(b)
+        else:
+            b.priority = priority
 
-    def _refresh(self, b: Block) -> None:
-        """Re-key a block in its tier's eviction heap after a change (lazy deletion)."""
-        b.version += 1
-        if b.cand >= 0:
-            self._candidates[b.cand] -= 1
-            b.cand = -1
-        if self._is_candidate(b):
-            level = b.level
-            heap = self._heaps[level]
-            heapq.heappush(heap, (b.priority, b.last_used, b.uid, b.version, b))
-            b.cand = level
-            self._candidates[level] += 1
-            if len(heap) > 2 * self._candidates[level] + 1024:
-                self._compact(level)
-
-    def _compact(self, level: int) -> None:
-        """Drop stale heap entries (lazy deletion leaves them behind)."""
-        heap = [e for e in self._heaps[level] if e[3] == e[4].version and e[4].cand == level]
-        heapq.heapify(heap)
-        self._heaps[level] = heap
-
-    def _pop_candidate(self, level: int) -> Block | None:
-        """The tier's eviction victim: lowest priority, then least recently used."""
-        heap = self._heaps[level]
-        while heap:
-            _, _, _, version, b = heapq.heappop(heap)
-            if version == b.version and b.cand == level:
-                b.version += 1
-                b.cand = -1
-                self._candidates[level] -= 1
-                return b
-        return None
+    def _unpark_parent(self, p: Block) -> None:
+        if p.cand == PARKED and (p.gpu_children == 0 if p.level == GPU else p.children == 0):
+            self._index[p.level].unpark(p)
 
     def _take_gpu_slot(self) -> int:
         free = self._free[GPU]
         if free:
             return free.pop()
-        b = self._pop_candidate(GPU)
+        b = self._index[GPU].pop()
         if b is None:
             raise OutOfBlocks("every GPU block is in use")
         slot = b.slot
@@ -627,7 +662,7 @@ class KVCacheManager:
             try:
                 host_slot = self._take_host_slot(allow_fail=b.children == 0)
             except OutOfBlocks:
-                self._refresh(b)  # it stays a GPU candidate
+                self._index[GPU].add(b)  # it stays evictable on the GPU
                 raise
             offload = host_slot is not None
         if offload:
@@ -636,10 +671,10 @@ class KVCacheManager:
             b.level, b.slot = HOST, host_slot
             if b.parent is not None:
                 b.parent.gpu_children -= 1
-                self._refresh(b.parent)
+                self._unpark_parent(b.parent)
             self.stats.offloads_by_priority[b.priority] = self.stats.offloads_by_priority.get(b.priority, 0) + 1
             self._emit(Updated(block_hash=b.hash, cache_level=LevelDiff(old=GPU, new=HOST)))
-            self._refresh(b)
+            self._index[HOST].add(b)
         else:
             self._remove(b)
         return slot
@@ -648,7 +683,7 @@ class KVCacheManager:
         free = self._free[HOST]
         if free:
             return free.pop()
-        b = self._pop_candidate(HOST)
+        b = self._index[HOST].pop()
         if b is None:
             if allow_fail:
                 return None
@@ -670,10 +705,9 @@ class KVCacheManager:
             p.children -= 1
             if b.level == GPU:
                 p.gpu_children -= 1
-            self._refresh(p)
+            self._unpark_parent(p)
         b.digest = None
         b.exp_version += 1
-        self._refresh(b)  # leaves any heap
         # Consecutive removals within one operation share one `removed` event: `_emit` closes
         # the open list whenever another event comes in between.
         if self._open_removed is not None:
@@ -696,9 +730,8 @@ class KVCacheManager:
             self.stats.expirations += 1
             if b.priority != DEFAULT_PRIORITY:
                 old = b.priority
-                b.priority = DEFAULT_PRIORITY
+                self._rekey(b, DEFAULT_PRIORITY)
                 self._emit(Updated(block_hash=b.hash, priority=PriorityDiff(old=old, new=DEFAULT_PRIORITY)))
-                self._refresh(b)
 
     # ------------------------------------------------------------------ internals: events
 
@@ -716,7 +749,7 @@ class KVCacheManager:
             q.clear()
             self._overflowed = True
             return
-        q.append(Event(event_id=self._next_event_id, window_size=self.config.window_size, data=data))
+        q.append(Event(self._next_event_id, self._window_size, data))
         self._next_event_id += 1
         self.stats.events_emitted += 1
 
