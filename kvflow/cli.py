@@ -194,7 +194,7 @@ def bench_kv_cmd(json_path: JsonOpt = None, quick: QuickOpt = False,
     def run() -> None:
         kw = {"num_blocks": 2_000, "requests": 1_500, "repeats": 2, "capacities": (400,), "trace_limit": 1_500} \
             if quick else {"repeats": repeats}
-        result = bench_kv(say=lambda m: console.print(f"[dim]{m}[/]"), **kw)  # type: ignore[arg-type]
+        result = bench_kv(say=lambda m: console.print(f"[dim]{m}[/]"), **kw)
         result.print(console)
         if json_path:
             result.write_json(json_path)

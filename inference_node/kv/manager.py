@@ -174,7 +174,7 @@ class Block:
         self.last_used = 0
         self.children = 0  # cached children on any tier
         self.gpu_children = 0  # cached children on the GPU
-        self.depth = parent.depth + 1 if parent is not None else 0
+        self.depth: int = parent.depth + 1 if parent is not None else 0
         self.hits = 0
         self.tag = -1  # the adaptive policy's class of the block
         self.released_at = 0.0  # clock time it last became evictable
