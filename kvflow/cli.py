@@ -203,6 +203,23 @@ def bench_kv_cmd(json_path: JsonOpt = None, quick: QuickOpt = False,
     guarded("bench kv", run)
 
 
+@app.command("materializer")
+def materializer_cmd(
+    loglevel: Annotated[str, typer.Option(help="crit, error, warn, info or debug.")] = "info",
+) -> None:
+    """Run a materializer worker: kv-events and node-stats from Kafka into PostgreSQL (faust)."""
+    from state_store.materializer import build_app, run_worker
+
+    def run() -> None:
+        try:
+            faust_app = build_app()
+        except ValueError as exc:  # a refused setting (e.g. a placeholder secret in production)
+            raise StackError(str(exc)) from exc
+        run_worker(faust_app, loglevel)
+
+    guarded("materializer", run)
+
+
 def main() -> None:
     try:
         app()

@@ -34,6 +34,7 @@ class Node(Base):
     block_size: Mapped[int | None] = mapped_column(Integer)
     window_size: Mapped[int | None] = mapped_column(Integer)
     last_event_id: Mapped[int] = mapped_column(BigInteger, server_default=text("-1"))
+    instance_started_at: Mapped[datetime | None] = mapped_column(TZ)
     capacity_gpu: Mapped[int] = mapped_column(Integer, server_default=text("0"))
     capacity_host: Mapped[int] = mapped_column(Integer, server_default=text("0"))
     used_gpu: Mapped[int] = mapped_column(Integer, server_default=text("0"))

@@ -112,7 +112,32 @@ def database_url(pg_owner_url: str) -> Iterator[str]:
     name = "kvflow_t_" + uuid.uuid4().hex[:12]
     asyncio.run(_admin_execute(pg_owner_url, f'CREATE DATABASE "{name}" OWNER kvflow'))
     yield _with_database(pg_owner_url, name)
-    asyncio.run(_admin_execute(pg_owner_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    asyncio.run(_drop_database(pg_owner_url, name))
+
+
+async def _drop_database(url: str, name: str) -> None:
+    """Drop a test database, ending our own leftover sessions (e.g. of a process killed with -9).
+
+    NOTE: not `WITH (FORCE)`: that must also signal autovacuum, which our role may not.
+    """
+    import asyncpg
+
+    from state_store.config import plain_dsn
+
+    conn = await asyncpg.connect(plain_dsn(url), timeout=5)
+    try:
+        for attempt in range(40):
+            await conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                               "WHERE datname = $1 AND usename = current_user AND pid <> pg_backend_pid()", name)
+            try:
+                await conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
+                return
+            except asyncpg.ObjectInUseError:
+                if attempt == 39:
+                    raise
+                await asyncio.sleep(0.25)
+    finally:
+        await conn.close()
 
 
 @pytest.fixture

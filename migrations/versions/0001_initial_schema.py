@@ -34,6 +34,8 @@ CREATE TABLE nodes (
     -- The last event_id of instance_id applied to node_blocks (-1: none yet). Written in the
     -- same transaction as the blocks, so a redelivered batch is recognized and skipped.
     last_event_id       bigint NOT NULL DEFAULT -1,
+    -- ts of the first batch of instance_id: a replayed batch of an older instance is older.
+    instance_started_at timestamptz,
     capacity_gpu        integer NOT NULL DEFAULT 0,
     capacity_host       integer NOT NULL DEFAULT 0,
     used_gpu            integer NOT NULL DEFAULT 0,

@@ -1,0 +1,299 @@
+"""What a run of EventBatches does to PostgreSQL, decided without touching it.
+
+The materializer hands :func:`plan` the batches it consumed (in Kafka order per node), the
+current ``nodes`` rows of their nodes, and the current ``node_blocks`` rows of the blocks the
+batches remove or update (:func:`blocks_to_look_up` says which). ``plan`` returns the writes of
+one transaction:
+
+* ``history``: the ``block_events`` rows, one per event × block, with the old level and priority
+  of removed blocks filled in;
+* ``resets``: nodes whose cached blocks are all deleted first (``created``, ``snapshot``, a new
+  instance);
+* ``upserts`` / ``deletes``: the *net* change of ``node_blocks`` (a block stored and removed in
+  the same run is neither);
+* ``nodes``: each node's new ``instance_id``, ``last_event_id``, ``status``, …
+
+Exactly once in effect: a batch whose events are at or below the node's ``last_event_id`` (of the
+same instance) is a redelivery and changes nothing; the new ``last_event_id`` is written in the
+same transaction as the blocks. A gap in ``event_id`` puts the node in ``resyncing`` (its later
+events are recorded in the history but not applied) until a ``snapshot`` heals it; the caller asks
+the node for one. A batch of an older instance than the current one (by its first batch's
+timestamp) is a stale replay and ignored.
+
+Pure: no I/O, so every rule is unit-tested exactly (``tests/state_store/test_apply.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+
+from eventbus.protocol import (
+    Created,
+    EventBatch,
+    Removed,
+    Snapshot,
+    Stored,
+    Updated,
+    to_sql,
+)
+
+LIVE, STALE, RESYNCING, GONE = "live", "stale", "resyncing", "gone"
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRow:
+    """The replication state of one node (the ``nodes`` columns the materializer owns)."""
+
+    node_id: str
+    instance_id: str
+    last_event_id: int = -1
+    status: str = LIVE
+    instance_started_at: datetime | None = None
+    window_size: int | None = None
+    capacity_gpu: int = 0
+    capacity_host: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRow:
+    """A ``node_blocks`` row; hashes in their SQL (signed) form."""
+
+    node_id: str
+    block_hash: int
+    parent_hash: int | None
+    cache_level: int
+    priority: int
+    num_tokens: int
+    lora_id: int | None
+    window_size: int | None
+    stored_at: datetime
+    updated_at: datetime
+
+
+#: block_events columns, in the order of the rows in Plan.history.
+HISTORY_COLUMNS = (
+    "node_id", "instance_id", "event_id", "seq", "kind", "block_hash", "parent_hash",
+    "cache_level_old", "cache_level_new", "priority_old", "priority_new", "num_tokens", "lora_id",
+    "event_ts",
+)
+HistoryRow = tuple[str, str, int, int, str, int | None, int | None, int | None, int | None,
+                   int | None, int | None, int | None, int | None, datetime]
+
+
+@dataclass
+class Counts:
+    batches: int = 0
+    events: int = 0
+    block_events: int = 0
+    duplicates: int = 0
+    stale_replays: int = 0
+    gaps: int = 0
+    anomalies: int = 0
+    new_instances: int = 0
+
+
+@dataclass
+class Plan:
+    history: list[HistoryRow] = field(default_factory=list)
+    resets: set[str] = field(default_factory=set)
+    upserts: dict[tuple[str, int], BlockRow] = field(default_factory=dict)
+    deletes: set[tuple[str, int]] = field(default_factory=set)
+    nodes: dict[str, NodeRow] = field(default_factory=dict)
+    #: nodes that need a snapshot (a gap, or events that contradict the stored state)
+    resync: set[str] = field(default_factory=set)
+    #: the newest batch timestamp applied per node (freshness)
+    batch_ts: list[float] = field(default_factory=list)
+    counts: Counts = field(default_factory=Counts)
+
+
+def ts(seconds: float) -> datetime:
+    return datetime.fromtimestamp(seconds, tz=UTC)
+
+
+def blocks_to_look_up(batches: Iterable[EventBatch]) -> set[tuple[str, int]]:
+    """(node_id, sql hash) of every block the batches remove or update: their old values may be
+    needed from ``node_blocks``."""
+    out: set[tuple[str, int]] = set()
+    for b in batches:
+        node = b.node_id
+        for ev in b.events:
+            d = ev.data
+            if isinstance(d, Removed):
+                out.update((node, to_sql(h)) for h in d.block_hashes)
+            elif isinstance(d, Updated):
+                out.add((node, to_sql(d.block_hash)))
+    return out
+
+
+class _NodeView:
+    """A node's blocks during planning: what the run changed, falling back to what SQL holds."""
+
+    __slots__ = ("changed", "known", "node_id", "reset")
+
+    def __init__(self, node_id: str, known: dict[tuple[str, int], BlockRow]) -> None:
+        self.node_id = node_id
+        self.known = known
+        self.changed: dict[int, BlockRow | None] = {}  # None: deleted in this run
+        self.reset = False
+
+    def get(self, h: int) -> BlockRow | None:
+        if h in self.changed:
+            return self.changed[h]
+        if self.reset:
+            return None
+        return self.known.get((self.node_id, h))
+
+    def clear(self) -> None:
+        self.changed.clear()
+        self.reset = True
+
+
+def plan(batches: Sequence[EventBatch], nodes: dict[str, NodeRow],
+         known: dict[tuple[str, int], BlockRow]) -> Plan:
+    """The writes of one transaction for ``batches`` (see the module docstring).
+
+    Args:
+        batches: decoded batches in consumption order (per node: Kafka order).
+        nodes: current ``nodes`` rows of the batches' nodes (missing: never seen).
+        known: current ``node_blocks`` rows for at least :func:`blocks_to_look_up`.
+    """
+    out = Plan()
+    c = out.counts
+    views: dict[str, _NodeView] = {}
+    state: dict[str, NodeRow | None] = {n: nodes.get(n) for n in {b.node_id for b in batches}}
+    for batch in batches:
+        c.batches += 1
+        node = batch.node_id
+        row = state[node]
+        view = views.get(node)
+        if view is None:
+            view = views[node] = _NodeView(node, known)
+        batch_ts = ts(batch.ts)
+
+        if row is None or row.instance_id != batch.instance_id:
+            if row is not None and row.instance_started_at is not None and batch_ts < row.instance_started_at:
+                c.stale_replays += 1  # a batch of an instance older than the current one
+                continue
+            # A new instance (or a new node): its cache starts empty.
+            c.new_instances += 1
+            row = NodeRow(node_id=node, instance_id=batch.instance_id, last_event_id=-1, status=LIVE,
+                          instance_started_at=batch_ts, window_size=row.window_size if row else None,
+                          capacity_gpu=row.capacity_gpu if row else 0, capacity_host=row.capacity_host if row else 0)
+            view.clear()
+            out.resets.add(node)
+
+        events = [e for e in batch.events if e.event_id > row.last_event_id]
+        if not events:
+            c.duplicates += 1
+            continue
+        status = row.status
+        if status == GONE:
+            # Its blocks were cleared when it went silent: what it says now builds on state that
+            # SQL no longer has. Only a snapshot can heal that.
+            status = _resync(out, node)
+        elif status == STALE:
+            status = LIVE
+        if events[0].event_id != row.last_event_id + 1:
+            c.gaps += 1
+            status = _resync(out, node)
+        for ev in events:
+            d = ev.data
+            c.events += 1
+            if isinstance(d, (Snapshot, Created)):  # the whole state: heals any gap
+                status = LIVE
+                view.clear()
+                out.resets.add(node)
+                if isinstance(d, Created):
+                    caps = list(d.num_blocks_per_cache_level) + [0, 0]
+                    row = replace(row, capacity_gpu=caps[0], capacity_host=caps[1])
+                    out.history.append(_row(row, ev.event_id, 0, "created", None, None, None, None, None, None,
+                                            None, None, batch_ts))
+                    continue
+                for seq, sb in enumerate(d.blocks):
+                    h = to_sql(sb.block_hash)
+                    p = to_sql(sb.parent_hash) if sb.parent_hash is not None else None
+                    view.changed[h] = BlockRow(node, h, p, sb.cache_level, sb.priority, sb.num_tokens, sb.lora_id,
+                                               ev.window_size, batch_ts, batch_ts)
+                    out.history.append(_row(row, ev.event_id, seq, "snapshot", h, p, None, sb.cache_level, None,
+                                            sb.priority, sb.num_tokens, sb.lora_id, batch_ts))
+                if not d.blocks:
+                    out.history.append(_row(row, ev.event_id, 0, "snapshot", None, None, None, None, None, None,
+                                            None, None, batch_ts))
+                continue
+
+            applying = status != RESYNCING
+            if isinstance(d, Stored):
+                parent = to_sql(d.parent_hash) if d.parent_hash is not None else None
+                for seq, b in enumerate(d.blocks):
+                    h = to_sql(b.block_hash)
+                    if applying:
+                        if view.get(h) is not None:
+                            c.anomalies += 1  # stored twice: the node and SQL disagree
+                            status = _resync(out, node)
+                            applying = False
+                        else:
+                            view.changed[h] = BlockRow(node, h, parent, b.cache_level, b.priority, b.num_tokens,
+                                                       b.lora_id, ev.window_size, batch_ts, batch_ts)
+                    out.history.append(_row(row, ev.event_id, seq, "stored", h, parent, None, b.cache_level, None,
+                                            b.priority, b.num_tokens, b.lora_id, batch_ts))
+                    parent = h
+            elif isinstance(d, Removed):
+                for seq, hh in enumerate(d.block_hashes):
+                    h = to_sql(hh)
+                    cur = view.get(h) if applying else None
+                    if applying and cur is None:
+                        c.anomalies += 1
+                        status = _resync(out, node)
+                        applying = False
+                    if cur is not None:
+                        view.changed[h] = None
+                    out.history.append(_row(row, ev.event_id, seq, "removed", h, cur.parent_hash if cur else None,
+                                            cur.cache_level if cur else None, None,
+                                            cur.priority if cur else None, None,
+                                            cur.num_tokens if cur else None, cur.lora_id if cur else None, batch_ts))
+            elif isinstance(d, Updated):
+                h = to_sql(d.block_hash)
+                cur = view.get(h) if applying else None
+                if applying and cur is None:
+                    c.anomalies += 1
+                    status = _resync(out, node)
+                    applying = False
+                lv, pr = d.cache_level, d.priority
+                if cur is not None:
+                    view.changed[h] = replace(cur, cache_level=lv.new if lv else cur.cache_level,
+                                              priority=pr.new if pr else cur.priority, updated_at=batch_ts)
+                out.history.append(_row(row, ev.event_id, 0, "updated", h, cur.parent_hash if cur else None,
+                                        lv.old if lv else None, lv.new if lv else None,
+                                        pr.old if pr else None, pr.new if pr else None,
+                                        cur.num_tokens if cur else None, cur.lora_id if cur else None, batch_ts))
+        row = replace(row, last_event_id=events[-1].event_id, status=status,
+                      window_size=events[-1].window_size)
+        state[node] = row
+        out.nodes[node] = row
+        out.batch_ts.append(batch.ts)
+
+    out.resync = {n for n in out.resync if n in out.nodes and out.nodes[n].status == RESYNCING}
+    for node, view in views.items():
+        for h, br in view.changed.items():
+            key = (node, h)
+            if br is None:
+                if not view.reset:
+                    out.deletes.add(key)
+            else:
+                out.upserts[key] = br
+    c.block_events = len(out.history)
+    return out
+
+
+def _resync(out: Plan, node: str) -> str:
+    out.resync.add(node)
+    return RESYNCING
+
+
+def _row(row: NodeRow, event_id: int, seq: int, kind: str, h: int | None, parent: int | None,
+         level_old: int | None, level_new: int | None, prio_old: int | None, prio_new: int | None,
+         num_tokens: int | None, lora_id: int | None, event_ts: datetime) -> HistoryRow:
+    return (row.node_id, row.instance_id, event_id, seq, kind, h, parent, level_old, level_new,
+            prio_old, prio_new, num_tokens, lora_id, event_ts)

@@ -1,0 +1,375 @@
+"""The materializer: a faust-streaming app from Kafka (``kv-events``, ``node-stats``) to PostgreSQL.
+
+Run it with ``kvflow materializer`` (more workers with the same group id share the partitions).
+
+* ``kv-events``: messages are taken in batches (``noack_take``), decoded strictly, planned
+  (:mod:`state_store.apply`) and written in one transaction (:mod:`state_store.writer`). Offsets
+  are acknowledged only after the transaction commits, so nothing is committed to Kafka before
+  the database has it; a redelivered batch is recognized by ``nodes.last_event_id`` and changes
+  nothing. Bad messages go to ``kv-events-dlq`` with the reason in headers (and are counted); the
+  ones around them are applied. A gap asks the node for a snapshot on ``kv-control``.
+* ``node-stats``: heartbeats update ``nodes`` (identity, capacity, usage, load, counters) and
+  append ``node_stats_samples``.
+* Timers: liveness (``live`` → ``stale`` after missed heartbeats → ``gone`` after a grace, which
+  clears the node's blocks); daily partitions of ``block_events`` and retention.
+* PostgreSQL unavailable: the same transaction is retried with backoff, forever; consumption
+  waits (faust's buffers fill and fetching pauses).
+* Web (faust's): ``/healthz`` and ``/metrics`` (Prometheus) on ``KVFLOW_MATERIALIZER_WEB_PORT``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import ssl
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import faust
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from eventbus.config import Environment, KafkaSettings, RuntimeSettings
+from eventbus.protocol import (
+    ControlCommand,
+    EventBatch,
+    NodeStats,
+    ProtocolError,
+    decode_batch,
+    decode_stats,
+    encode,
+)
+from state_store.config import DatabaseSettings
+from state_store.writer import TRANSIENT, Writer, with_retry
+
+log = logging.getLogger("kvflow.materializer")
+
+
+class MaterializerSettings(BaseSettings):
+    """``KVFLOW_MATERIALIZER_…``"""
+
+    model_config = SettingsConfigDict(env_prefix="KVFLOW_MATERIALIZER_", extra="ignore")
+
+    group_id: str = Field(default="kvflow-materializer", description="Kafka consumer group (and faust app id).")
+    batch_max: int = Field(default=2000, ge=1, description="Messages per transaction at most.")
+    batch_within_s: float = Field(default=0.05, gt=0, description="Longest wait to fill a batch.")
+    stale_after_s: float = Field(default=6.0, gt=0, description="No heartbeat or event for this long: stale.")
+    gone_after_s: float = Field(default=60.0, gt=0, description="Stale this long: gone, its blocks cleared.")
+    retention_days: float = Field(default=7.0, gt=0, description="History kept in block_events.")
+    resync_cooldown_s: float = Field(default=5.0, ge=0, description="Ask a node for a snapshot at most this often.")
+    web_host: str = Field(default="127.0.0.1", description="Bind address of /healthz and /metrics.")
+    web_port: int = Field(default=6066, description="Port of /healthz and /metrics (0: no web server).")
+    pool_size: int = Field(default=2, ge=1, description="Database connections.")
+    datadir: str | None = Field(default=None, description="faust's data folder (no tables are kept there).")
+    session_timeout_s: float = Field(default=10.0, description="Kafka group session timeout.")
+
+
+class Metrics:
+    """Prometheus metrics of one materializer (own registry: several apps may share a process)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.batches = Counter("kvflow_materializer_batches_total", "EventBatches applied", registry=r)
+        self.events = Counter("kvflow_materializer_events_total", "Events applied", registry=r)
+        self.block_events = Counter("kvflow_materializer_block_events_total", "block_events rows written",
+                                    registry=r)
+        self.duplicates = Counter("kvflow_materializer_duplicate_batches_total",
+                                  "Redelivered batches recognized and skipped", registry=r)
+        self.stale = Counter("kvflow_materializer_stale_replays_total", "Batches of older instances ignored",
+                             registry=r)
+        self.gaps = Counter("kvflow_materializer_gaps_total", "Gaps in event_id", registry=r)
+        self.anomalies = Counter("kvflow_materializer_anomalies_total", "Events contradicting the stored state",
+                                 registry=r)
+        self.resyncs = Counter("kvflow_materializer_resync_requests_total", "Snapshots requested", registry=r)
+        self.dlq = Counter("kvflow_materializer_dlq_total", "Messages sent to the DLQ", ["reason"], registry=r)
+        self.db_retries = Counter("kvflow_materializer_db_retries_total", "Transactions retried", registry=r)
+        self.stats = Counter("kvflow_materializer_node_stats_total", "NodeStats applied", registry=r)
+        self.freshness = Histogram(
+            "kvflow_materializer_freshness_seconds", "From a node publishing a batch to its commit",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=r)
+        self.txn_seconds = Histogram("kvflow_materializer_transaction_seconds", "Time of one apply transaction",
+                                     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5), registry=r)
+        self.last_commit = Gauge("kvflow_materializer_last_commit_timestamp_seconds", "Unix time of the last commit",
+                                 registry=r)
+
+
+def _credentials(k: KafkaSettings) -> dict[str, Any]:
+    """faust/aiokafka settings for the same security configuration the librdkafka clients use."""
+    if not k.uses_sasl and k.security_protocol.value != "SSL":
+        return {}
+    context = ssl.create_default_context(cafile=k.ssl_ca_location) if k.ssl_ca_location else None
+    if k.uses_sasl:
+        return {"broker_credentials": faust.SASLCredentials(
+            username=k.sasl_username or "",
+            password=k.sasl_password.get_secret_value() if k.sasl_password else "",
+            mechanism=k.sasl_mechanism, ssl_context=context)}
+    return {"broker_credentials": faust.SSLCredentials(context or ssl.create_default_context())}
+
+
+def build_app(kafka: KafkaSettings | None = None, db: DatabaseSettings | None = None,
+              ms: MaterializerSettings | None = None) -> faust.App:
+    kafka = kafka or KafkaSettings()
+    db = db or DatabaseSettings()
+    ms = ms or MaterializerSettings()
+    env = RuntimeSettings().env
+    kafka.check(env)
+    db.check(env)
+    if env is Environment.DEVELOPMENT:
+        log.warning("KVFLOW_ENV=development: placeholder secrets are accepted")
+    brokers = ";".join(f"kafka://{b.strip()}" for b in kafka.bootstrap.split(","))
+    datadir = ms.datadir or str(Path(tempfile.gettempdir()) / f"kvflow-faust-{ms.group_id}")
+    app = faust.App(
+        ms.group_id,
+        broker=brokers,
+        value_serializer="raw",
+        key_serializer="raw",
+        store="memory://",
+        datadir=datadir,
+        topic_allow_declare=False,
+        topic_disable_leader=True,
+        consumer_auto_offset_reset="earliest",
+        broker_session_timeout=ms.session_timeout_s,
+        broker_heartbeat_interval=min(3.0, ms.session_timeout_s / 3),
+        broker_commit_interval=1.0,
+        broker_max_poll_records=ms.batch_max,
+        consumer_max_fetch_size=16 * 1024 * 1024,
+        stream_buffer_maxsize=max(4096, ms.batch_max * 2),
+        web_enabled=ms.web_port > 0,
+        web_host=ms.web_host,
+        web_port=ms.web_port or 6066,
+        web_bind=ms.web_host,
+        producer_acks=-1,
+        **_credentials(kafka),
+    )
+    m = app.kvflow_metrics = Metrics()  # type: ignore[attr-defined]
+    writer = app.kvflow_writer = Writer(db.writer(), pool_size=ms.pool_size,  # type: ignore[attr-defined]
+                                        resync_cooldown_s=ms.resync_cooldown_s)
+    events_topic = app.topic(kafka.events_topic, key_type=bytes, value_type=bytes)
+    stats_topic = app.topic(kafka.stats_topic, key_type=bytes, value_type=bytes)
+    dlq_topic = app.topic(kafka.dlq_topic, key_type=bytes, value_type=bytes)
+    control_topic = app.topic(kafka.control_topic, key_type=bytes, value_type=bytes)
+    state = {"db_ok": False, "last_commit": 0.0}
+
+    def on_retry(exc: BaseException, delay: float) -> None:
+        m.db_retries.inc()
+        state["db_ok"] = False
+        log.warning("database unavailable (%s: %s); retrying in ~%.1f s", type(exc).__name__, exc, delay)
+
+    async def retrying(fn: Any) -> Any:
+        return await with_retry(fn, on_retry=on_retry, reconnect=writer.reset_pool)
+
+    async def to_dlq(bad: Sequence[tuple[Any, str, str]]) -> None:
+        futures = []
+        for msg, reason, detail in bad:
+            m.dlq.labels(reason).inc()
+            log.warning("DLQ %s[%s]@%s: %s: %s", msg.topic, msg.partition, msg.offset, reason, detail[:200])
+            headers = [("kvflow-error-reason", reason.encode()), ("kvflow-error", detail[:1000].encode()),
+                       ("kvflow-source-topic", str(msg.topic).encode()),
+                       ("kvflow-source-partition", str(msg.partition).encode()),
+                       ("kvflow-source-offset", str(msg.offset).encode())]
+            futures.append(await dlq_topic.send(key=msg.key, value=msg.value, headers=headers))
+        for f in futures:
+            await f  # delivered before the originals are acknowledged
+
+    async def apply(items: list[tuple[Any, EventBatch]]) -> None:
+        """Apply in one transaction; if the data cannot be applied, find the culprits one by one."""
+        t0 = time.perf_counter()
+        try:
+            applied = await retrying(lambda: writer.apply([b for _, b in items]))
+        except Exception as exc:  # not transient: retrying the same data fails the same way
+            if len(items) > 1:
+                log.error("transaction failed (%s); applying %d batches one by one", exc, len(items))
+                for item in items:
+                    await apply([item])
+                return
+            log.exception("batch could not be applied")
+            await to_dlq([(items[0][0], "apply_failed", f"{type(exc).__name__}: {exc}")])
+            return
+        m.txn_seconds.observe(time.perf_counter() - t0)
+        p = applied.plan
+        c = p.counts
+        now = time.time()
+        m.batches.inc(c.batches - c.duplicates - c.stale_replays)
+        m.events.inc(c.events)
+        m.block_events.inc(c.block_events)
+        m.duplicates.inc(c.duplicates)
+        m.stale.inc(c.stale_replays)
+        m.gaps.inc(c.gaps)
+        m.anomalies.inc(c.anomalies)
+        for t in p.batch_ts:
+            m.freshness.observe(max(0.0, now - t))
+        m.last_commit.set(now)
+        state["db_ok"], state["last_commit"] = True, now
+        for node in applied.resync_now:
+            m.resyncs.inc()
+            log.info("asking %s for a snapshot", node)
+            cmd = ControlCommand(schema_version=1, node_id=node, command="resync", reason="event_id gap", ts=now)
+            await control_topic.send(key=node.encode(), value=encode(cmd))
+
+    @app.agent(events_topic, name="kv-events")
+    async def consume_events(stream: Any) -> None:  # faust.Stream; its typing is loose
+        async for evs in stream.noack_take(ms.batch_max, within=ms.batch_within_s):
+            good: list[tuple[Any, EventBatch]] = []
+            bad: list[tuple[Any, str, str]] = []
+            for e in evs:
+                msg = e.message
+                try:
+                    batch = decode_batch(msg.value or b"")
+                    if msg.key is not None and msg.key != batch.node_id.encode():
+                        raise ProtocolError("key_mismatch", f"message key {msg.key[:64]!r} is not node_id "
+                                                            f"{batch.node_id!r}")
+                    good.append((msg, batch))
+                except ProtocolError as exc:
+                    bad.append((msg, exc.reason, exc.message))
+            if bad:
+                await to_dlq(bad)
+            if good:
+                await apply(good)
+            for e in evs:
+                await stream.ack(e)
+
+    @app.agent(stats_topic, name="node-stats")
+    async def consume_stats(stream: Any) -> None:
+        async for evs in stream.noack_take(1000, within=0.2):
+            good: list[NodeStats] = []
+            bad: list[tuple[Any, str, str]] = []
+            for e in evs:
+                try:
+                    good.append(decode_stats(e.message.value or b""))
+                except ProtocolError as exc:
+                    bad.append((e.message, exc.reason, exc.message))
+            if bad:
+                await to_dlq(bad)
+            if good:
+                await retrying(functools.partial(writer.run, functools.partial(apply_stats, stats=good)))
+                m.stats.inc(len(good))
+            for e in evs:
+                await stream.ack(e)
+
+    @app.timer(interval=1.0)
+    async def liveness() -> None:
+        try:
+            gone = await writer.run(lambda conn: mark_liveness(conn, ms.stale_after_s, ms.gone_after_s))
+            for node in gone:
+                log.info("node %s is gone: its blocks were cleared", node)
+        except TRANSIENT as exc:
+            state["db_ok"] = False
+            log.debug("liveness check skipped: %s", exc)
+
+    @app.timer(interval=600.0)
+    async def maintenance() -> None:
+        try:
+            await writer.run(lambda conn: run_maintenance(conn, ms.retention_days))
+        except TRANSIENT as exc:
+            log.warning("maintenance skipped: %s", exc)
+
+    @app.page("/healthz")
+    async def healthz(web: Any, request: Any) -> Any:
+        body = {"status": "ok", "db_ok": state["db_ok"], "last_commit": state["last_commit"],
+                "group_id": ms.group_id}
+        return web.json(body)
+
+    @app.page("/metrics")
+    async def metrics(web: Any, request: Any) -> Any:
+        return web.bytes(generate_latest(m.registry), content_type="text/plain; version=0.0.4")
+
+    return app
+
+
+STATS_UPSERT = """
+INSERT INTO nodes AS n (node_id, instance_id, url, model, block_size, capacity_gpu, capacity_host, used_gpu,
+                        used_host, active_requests, queued_requests, reported_event_id, counters, last_seen,
+                        last_stats_at, status)
+SELECT u.node_id, u.instance_id, u.url, u.model, u.block_size, u.cap_gpu, u.cap_host, u.used_gpu, u.used_host,
+       u.active, u.queued, u.last_event_id, u.counters::jsonb, now(), now(), 'live'
+FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int[], $6::int[], $7::int[], $8::int[], $9::int[],
+            $10::int[], $11::int[], $12::bigint[], $13::text[])
+     AS u(node_id, instance_id, url, model, block_size, cap_gpu, cap_host, used_gpu, used_host, active, queued,
+          last_event_id, counters)
+ON CONFLICT (node_id) DO UPDATE SET
+  url = EXCLUDED.url, model = EXCLUDED.model, block_size = EXCLUDED.block_size,
+  capacity_gpu = EXCLUDED.capacity_gpu, capacity_host = EXCLUDED.capacity_host,
+  used_gpu = EXCLUDED.used_gpu, used_host = EXCLUDED.used_host,
+  active_requests = EXCLUDED.active_requests, queued_requests = EXCLUDED.queued_requests,
+  reported_event_id = EXCLUDED.reported_event_id, counters = EXCLUDED.counters,
+  last_seen = now(), last_stats_at = now(), updated_at = now(),
+  -- A heartbeat brings a stale node back; a gone node's blocks were cleared, so it stays gone
+  -- until its events (a snapshot) bring it back.
+  status = CASE WHEN n.status = 'stale' THEN 'live' ELSE n.status END,
+  status_changed_at = CASE WHEN n.status = 'stale' THEN now() ELSE n.status_changed_at END
+"""
+STATS_SAMPLES = """
+INSERT INTO node_stats_samples (node_id, instance_id, ts, capacity_gpu, capacity_host, used_gpu, used_host,
+                                active_requests, queued_requests, prompt_tokens, cached_tokens, counters)
+SELECT * FROM unnest($1::text[], $2::text[], $3::timestamptz[], $4::int[], $5::int[], $6::int[], $7::int[],
+                     $8::int[], $9::int[], $10::bigint[], $11::bigint[], $12::jsonb[])
+ON CONFLICT DO NOTHING
+"""
+
+
+async def apply_stats(conn: Any, *, stats: Sequence[NodeStats]) -> None:
+    from datetime import UTC, datetime
+
+    import msgspec
+
+    latest: dict[str, NodeStats] = {}
+    for s in stats:
+        if s.node_id not in latest or s.ts >= latest[s.node_id].ts:
+            latest[s.node_id] = s
+    rows = list(latest.values())
+    async with conn.transaction():
+        await conn.execute(
+            STATS_UPSERT, [s.node_id for s in rows], [s.instance_id for s in rows], [s.url for s in rows],
+            [s.model for s in rows], [s.block_size for s in rows], [s.capacity[0] for s in rows],
+            [s.capacity[1] for s in rows], [s.used[0] for s in rows], [s.used[1] for s in rows],
+            [s.active_requests for s in rows], [s.queued_requests for s in rows], [s.last_event_id for s in rows],
+            [msgspec.json.encode(s.counters).decode() for s in rows])
+        await conn.execute(
+            STATS_SAMPLES, [s.node_id for s in stats], [s.instance_id for s in stats],
+            [datetime.fromtimestamp(s.ts, tz=UTC) for s in stats], [s.capacity[0] for s in stats],
+            [s.capacity[1] for s in stats], [s.used[0] for s in stats], [s.used[1] for s in stats],
+            [s.active_requests for s in stats], [s.queued_requests for s in stats],
+            [s.counters.prompt_tokens for s in stats], [s.counters.cached_tokens for s in stats],
+            [msgspec.json.encode(s.counters).decode() for s in stats])
+
+
+LIVENESS = """
+WITH stale AS (
+  UPDATE nodes SET status = 'stale', status_changed_at = now()
+  WHERE status IN ('live', 'resyncing') AND last_seen < now() - make_interval(secs => $1)
+  RETURNING node_id
+), gone AS (
+  UPDATE nodes SET status = 'gone', status_changed_at = now()
+  WHERE status = 'stale' AND last_seen < now() - make_interval(secs => $2)
+  RETURNING node_id
+), cleared AS (
+  DELETE FROM node_blocks WHERE node_id IN (SELECT node_id FROM gone) RETURNING node_id
+)
+SELECT node_id FROM gone
+"""
+
+
+async def mark_liveness(conn: Any, stale_after_s: float, gone_after_s: float) -> list[str]:
+    """live/resyncing → stale after ``stale_after_s`` of silence; stale → gone (blocks cleared) after
+    ``gone_after_s``."""
+    rows = await conn.fetch(LIVENESS, stale_after_s, gone_after_s)
+    return [r["node_id"] for r in rows]
+
+
+async def run_maintenance(conn: Any, retention_days: float) -> None:
+    """Partitions ahead and retention, by one worker at a time (advisory lock)."""
+    async with conn.transaction():
+        if await conn.fetchval("SELECT pg_try_advisory_xact_lock(hashtext('kvflow-maintenance'))"):
+            await conn.execute("SELECT kvflow_ensure_block_event_partitions(7)")
+            await conn.execute("SELECT kvflow_apply_retention(make_interval(secs => $1))",
+                               retention_days * 86400.0)
+
+
+def run_worker(app: faust.App, loglevel: str = "info") -> None:
+    """Run one worker in this process until SIGTERM/SIGINT (faust handles the signals)."""
+    worker = faust.Worker(app, loglevel=loglevel, quiet=True)
+    worker.execute_from_commandline()

@@ -1,0 +1,195 @@
+"""Applying a :class:`~state_store.apply.Plan` to PostgreSQL, in one transaction, with asyncpg.
+
+Batched statements only: ``COPY`` for the history, array (``unnest``) statements for
+``node_blocks`` and ``nodes``. The node rows are locked (``SELECT … FOR UPDATE``) before the plan is
+made, so two materializer workers that briefly both own a partition (during a rebalance) apply a
+node's batches one after the other, and the second sees the first one's ``last_event_id``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import asyncpg
+
+from eventbus.protocol import EventBatch
+from state_store.apply import HISTORY_COLUMNS, BlockRow, NodeRow, Plan, blocks_to_look_up, plan
+from state_store.config import plain_dsn
+
+log = logging.getLogger("kvflow.materializer")
+T = TypeVar("T")
+
+#: Errors after which the same transaction may succeed later (the database is down, restarting,
+#: overloaded, or the transaction lost a race). Anything else is a problem with the data.
+TRANSIENT = (
+    OSError,
+    asyncio.TimeoutError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.InterfaceError,
+    asyncpg.CannotConnectNowError,
+    asyncpg.TooManyConnectionsError,
+    asyncpg.SerializationError,
+    asyncpg.DeadlockDetectedError,
+    asyncpg.AdminShutdownError,
+    asyncpg.CrashShutdownError,
+    asyncpg.QueryCanceledError,
+)
+
+LOCK_NODES = """
+INSERT INTO nodes (node_id, instance_id) SELECT unnest($1::text[]), '' ON CONFLICT (node_id) DO NOTHING;
+"""
+SELECT_NODES = """
+SELECT node_id, instance_id, last_event_id, status, instance_started_at, window_size, capacity_gpu, capacity_host
+FROM nodes WHERE node_id = ANY($1::text[]) ORDER BY node_id FOR UPDATE
+"""
+SELECT_BLOCKS = """
+SELECT nb.node_id, nb.block_hash, nb.parent_hash, nb.cache_level, nb.priority, nb.num_tokens, nb.lora_id,
+       nb.window_size, nb.stored_at, nb.updated_at
+FROM node_blocks nb JOIN unnest($1::text[], $2::bigint[]) AS k(node_id, block_hash)
+  ON nb.node_id = k.node_id AND nb.block_hash = k.block_hash
+"""
+RESET_BLOCKS = "DELETE FROM node_blocks WHERE node_id = ANY($1::text[])"
+DELETE_BLOCKS = """
+DELETE FROM node_blocks nb USING unnest($1::text[], $2::bigint[]) AS d(node_id, block_hash)
+WHERE nb.node_id = d.node_id AND nb.block_hash = d.block_hash
+"""
+UPSERT_BLOCKS = """
+INSERT INTO node_blocks (node_id, block_hash, parent_hash, cache_level, priority, num_tokens, lora_id,
+                         window_size, stored_at, updated_at)
+SELECT * FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::smallint[], $5::smallint[], $6::integer[],
+                     $7::bigint[], $8::integer[], $9::timestamptz[], $10::timestamptz[])
+ON CONFLICT (node_id, block_hash) DO UPDATE SET
+  parent_hash = EXCLUDED.parent_hash, cache_level = EXCLUDED.cache_level, priority = EXCLUDED.priority,
+  num_tokens = EXCLUDED.num_tokens, lora_id = EXCLUDED.lora_id, window_size = EXCLUDED.window_size,
+  stored_at = EXCLUDED.stored_at, updated_at = EXCLUDED.updated_at
+"""
+UPDATE_NODES = """
+UPDATE nodes n SET
+  instance_id = u.instance_id, last_event_id = u.last_event_id,
+  status_changed_at = CASE WHEN n.status <> u.status THEN now() ELSE n.status_changed_at END,
+  status = u.status, instance_started_at = u.instance_started_at, window_size = u.window_size,
+  capacity_gpu = u.capacity_gpu, capacity_host = u.capacity_host, last_seen = now(), updated_at = now()
+FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[], $5::timestamptz[], $6::integer[],
+            $7::integer[], $8::integer[])
+     AS u(node_id, instance_id, last_event_id, status, instance_started_at, window_size, capacity_gpu, capacity_host)
+WHERE n.node_id = u.node_id
+"""
+# Ask a node for a snapshot at most once per cooldown: returns the nodes to ask now.
+MARK_RESYNC = """
+UPDATE nodes SET resync_requested_at = now()
+WHERE node_id = ANY($1::text[])
+  AND (resync_requested_at IS NULL OR resync_requested_at < now() - make_interval(secs => $2))
+RETURNING node_id
+"""
+
+
+@dataclass
+class Applied:
+    plan: Plan
+    resync_now: list[str]
+
+
+class Writer:
+    """Owns a connection pool of the writer role and applies plans."""
+
+    def __init__(self, url: str, *, pool_size: int = 2, resync_cooldown_s: float = 5.0,
+                 statement_timeout_ms: int = 60_000) -> None:
+        self.dsn = plain_dsn(url)
+        self.pool_size = pool_size
+        self.resync_cooldown_s = resync_cooldown_s
+        self.statement_timeout_ms = statement_timeout_ms
+        self._pool: asyncpg.Pool | None = None
+
+    async def pool(self) -> asyncpg.Pool:
+        if self._pool is None:
+            self._pool = await asyncpg.create_pool(
+                self.dsn, min_size=1, max_size=self.pool_size, timeout=10, command_timeout=120,
+                server_settings={"application_name": "kvflow-materializer",
+                                 "statement_timeout": str(self.statement_timeout_ms)},
+            )
+        return self._pool
+
+    async def close(self) -> None:
+        if self._pool is not None:
+            await self._pool.close()
+            self._pool = None
+
+    async def reset_pool(self) -> None:
+        """Drop every connection (after a database restart) and reconnect lazily."""
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            pool.terminate()
+
+    async def apply(self, batches: Sequence[EventBatch]) -> Applied:
+        """One transaction: lock the nodes, read what the plan needs, write the plan."""
+        pool = await self.pool()
+        async with pool.acquire() as conn, conn.transaction():
+            node_ids = sorted({b.node_id for b in batches})
+            await conn.execute(LOCK_NODES, node_ids)
+            nodes = {r["node_id"]: NodeRow(*r) for r in await conn.fetch(SELECT_NODES, node_ids)}
+            for n, row in list(nodes.items()):
+                if row.instance_id == "":  # a placeholder inserted just now
+                    nodes.pop(n)
+            keys = blocks_to_look_up(batches)
+            known: dict[tuple[str, int], BlockRow] = {}
+            if keys:
+                kn, kh = zip(*keys, strict=True)
+                for r in await conn.fetch(SELECT_BLOCKS, list(kn), list(kh)):
+                    known[(r["node_id"], r["block_hash"])] = BlockRow(*r)
+            p = plan(batches, nodes, known)
+            await write(conn, p)
+            resync_now: list[str] = []
+            if p.resync:
+                resync_now = [r["node_id"] for r in await conn.fetch(MARK_RESYNC, sorted(p.resync),
+                                                                     self.resync_cooldown_s)]
+        return Applied(p, resync_now)
+
+    async def run(self, fn: Callable[[asyncpg.Connection], Awaitable[T]]) -> T:
+        pool = await self.pool()
+        async with pool.acquire() as conn:
+            return await fn(conn)
+
+
+async def write(conn: asyncpg.Connection, p: Plan) -> None:
+    if p.resets:
+        await conn.execute(RESET_BLOCKS, sorted(p.resets))
+    if p.deletes:
+        dn, dh = zip(*p.deletes, strict=True)
+        await conn.execute(DELETE_BLOCKS, list(dn), list(dh))
+    if p.upserts:
+        cols: list[list[Any]] = [[] for _ in range(10)]
+        for r in p.upserts.values():
+            for i, v in enumerate((r.node_id, r.block_hash, r.parent_hash, r.cache_level, r.priority,
+                                   r.num_tokens, r.lora_id, r.window_size, r.stored_at, r.updated_at)):
+                cols[i].append(v)
+        await conn.execute(UPSERT_BLOCKS, *cols)
+    if p.history:
+        await conn.copy_records_to_table("block_events", records=p.history, columns=HISTORY_COLUMNS)
+    if p.nodes:
+        rows = list(p.nodes.values())
+        await conn.execute(UPDATE_NODES, [r.node_id for r in rows], [r.instance_id for r in rows],
+                           [r.last_event_id for r in rows], [r.status for r in rows],
+                           [r.instance_started_at for r in rows], [r.window_size for r in rows],
+                           [r.capacity_gpu for r in rows], [r.capacity_host for r in rows])
+
+
+async def with_retry(fn: Callable[[], Awaitable[T]], *, on_retry: Callable[[BaseException, float], Any],
+                     reconnect: Callable[[], Awaitable[None]], max_backoff_s: float = 5.0) -> T:
+    """Run fn until it succeeds, backing off (with jitter) on transient database errors.
+
+    Non-transient errors propagate: retrying the same data would fail the same way.
+    """
+    delay = 0.1
+    while True:
+        try:
+            return await fn()
+        except TRANSIENT as exc:
+            on_retry(exc, delay)
+            await reconnect()
+            await asyncio.sleep(delay * (0.5 + random.random()))
+            delay = min(max_backoff_s, delay * 2)

@@ -1,0 +1,134 @@
+"""The materializer's planning rules, exactly: idempotence, gaps, instances, net effects, history."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from eventbus import protocol as p
+from state_store.apply import LIVE, RESYNCING, BlockRow, NodeRow, blocks_to_look_up, plan, ts
+
+T0 = 1_700_000_000.0
+
+
+def batch(node: str, inst: str, first_id: int, *datas: p.EventData, at: float = T0) -> p.EventBatch:
+    return p.EventBatch(schema_version=1, node_id=node, instance_id=inst, ts=at,
+                        events=[p.Event(event_id=first_id + i, window_size=64, data=d) for i, d in enumerate(datas)])
+
+
+def stored(parent: int | None, *hashes: int, prio: int = 35) -> p.Stored:
+    return p.Stored(parent_hash=parent, blocks=[p.StoredBlock(block_hash=h, num_tokens=4, priority=prio)
+                                                for h in hashes])
+
+
+CREATED = p.Created(num_blocks_per_cache_level=[8, 4])
+EMPTY = p.Snapshot(blocks=[])
+
+
+def test_a_new_node_starts_from_created_and_stores_net_blocks():
+    b = batch("n", "i1", 0, CREATED, EMPTY, stored(None, 1, 2, 3), p.Removed(block_hashes=[3]))
+    out = plan([b], {}, {})
+    assert out.resets == {"n"}
+    assert set(out.upserts) == {("n", 1), ("n", 2)}  # 3 was stored and removed in the same run
+    assert out.deletes == set()
+    assert out.upserts[("n", 2)].parent_hash == 1
+    assert out.nodes["n"] == NodeRow("n", "i1", 3, LIVE, ts(T0), 64, 8, 4)
+    kinds = [(r[2], r[3], r[4], r[5]) for r in out.history]
+    assert kinds == [(0, 0, "created", None), (1, 0, "snapshot", None), (2, 0, "stored", 1), (2, 1, "stored", 2),
+                     (2, 2, "stored", 3), (3, 0, "removed", 3)]
+    removed = out.history[-1]
+    assert removed[7] == 0 and removed[9] == 35  # old level and priority, from the block stored earlier
+
+
+def test_a_redelivered_batch_changes_nothing():
+    node = NodeRow("n", "i1", 5, LIVE, ts(T0))
+    out = plan([batch("n", "i1", 4, stored(None, 9), stored(9, 10))], {"n": node}, {})
+    assert out.counts.duplicates == 1
+    assert (out.history, out.upserts, out.nodes) == ([], {}, {})
+
+
+def test_a_partly_redelivered_batch_applies_only_its_new_events():
+    node = NodeRow("n", "i1", 4, LIVE, ts(T0))
+    out = plan([batch("n", "i1", 4, stored(None, 9), stored(9, 10))], {"n": node}, {})
+    assert set(out.upserts) == {("n", 10)}
+    assert [r[2] for r in out.history] == [5]
+    assert out.nodes["n"].last_event_id == 5
+
+
+def test_removed_and_updated_take_old_values_from_sql():
+    node = NodeRow("n", "i1", 9, LIVE, ts(T0))
+    then = datetime(2026, 1, 1, tzinfo=UTC)
+    known = {("n", 7): BlockRow("n", 7, None, 0, 80, 4, None, 64, then, then),
+             ("n", 8): BlockRow("n", 8, 7, 0, 35, 4, None, 64, then, then)}
+    b = batch("n", "i1", 10, p.Updated(block_hash=7, cache_level=p.LevelDiff(old=0, new=1)),
+              p.Removed(block_hashes=[8]))
+    assert blocks_to_look_up([b]) == {("n", 7), ("n", 8)}
+    out = plan([b], {"n": node}, known)
+    assert out.deletes == {("n", 8)}
+    assert out.upserts[("n", 7)] == BlockRow("n", 7, None, 1, 80, 4, None, 64, then, ts(T0))
+    upd, rem = out.history
+    assert (upd[4], upd[7], upd[8], upd[9], upd[10]) == ("updated", 0, 1, None, None)
+    assert (rem[4], rem[6], rem[7], rem[9]) == ("removed", 7, 0, 35)
+
+
+def test_a_gap_marks_the_node_resyncing_until_a_snapshot_heals_it():
+    node = NodeRow("n", "i1", 3, LIVE, ts(T0))
+    gap = batch("n", "i1", 7, stored(None, 5))
+    out = plan([gap], {"n": node}, {})
+    assert out.nodes["n"].status == RESYNCING and out.nodes["n"].last_event_id == 7
+    assert out.resync == {"n"} and out.counts.gaps == 1
+    assert out.upserts == {}  # not applied ...
+    assert [r[4] for r in out.history] == ["stored"]  # ... but recorded
+
+    heal = batch("n", "i1", 8, stored(None, 6),
+                 p.Snapshot(blocks=[p.SnapshotBlock(block_hash=5, parent_hash=None, num_tokens=4, priority=50)]))
+    out = plan([heal], {"n": out.nodes["n"]}, {})
+    assert out.nodes["n"].status == LIVE
+    assert out.resets == {"n"} and set(out.upserts) == {("n", 5)}
+    assert out.resync == set()
+
+
+def test_a_gap_healed_in_the_same_run_asks_for_nothing():
+    node = NodeRow("n", "i1", 3, LIVE, ts(T0))
+    out = plan([batch("n", "i1", 9, EMPTY, stored(None, 1))], {"n": node}, {})
+    assert out.nodes["n"].status == LIVE and out.resync == set()
+    assert set(out.upserts) == {("n", 1)}
+
+
+def test_a_new_instance_resets_the_node_and_an_older_one_is_a_stale_replay():
+    node = NodeRow("n", "old", 40, LIVE, ts(T0))
+    restart = batch("n", "new", 0, CREATED, EMPTY, stored(None, 1), at=T0 + 10)
+    out = plan([restart], {"n": node}, {("n", 99): BlockRow("n", 99, None, 0, 35, 4, None, 64, ts(T0), ts(T0))})
+    assert out.resets == {"n"} and out.counts.new_instances == 1
+    assert out.nodes["n"].instance_id == "new" and out.nodes["n"].last_event_id == 2
+
+    late = batch("n", "old", 41, p.Removed(block_hashes=[99]), at=T0 + 5)
+    out2 = plan([late], {"n": out.nodes["n"]}, {})
+    assert out2.counts.stale_replays == 1 and out2.history == [] and out2.nodes == {}
+
+
+def test_an_unknown_instance_starting_mid_stream_is_a_gap():
+    out = plan([batch("n", "mystery", 57, stored(None, 1))], {}, {})
+    assert out.nodes["n"].status == RESYNCING and out.resync == {"n"}
+    assert out.resets == {"n"} and out.upserts == {}
+
+
+def test_events_that_contradict_sql_ask_for_a_resync():
+    node = NodeRow("n", "i1", 0, LIVE, ts(T0))
+    out = plan([batch("n", "i1", 1, p.Removed(block_hashes=[12345]))], {"n": node}, {})
+    assert out.counts.anomalies == 1 and out.resync == {"n"}
+    assert out.nodes["n"].status == RESYNCING
+
+
+def test_sql_hashes_are_signed():
+    big = (1 << 64) - 5
+    out = plan([batch("n", "i", 0, CREATED, stored(None, big))], {}, {})
+    assert list(out.upserts) == [("n", -5)]
+
+
+def test_a_gone_node_that_speaks_again_needs_a_snapshot():
+    node = NodeRow("n", "i1", 3, "gone", ts(T0))
+    out = plan([batch("n", "i1", 4, stored(None, 1))], {"n": node}, {})
+    assert out.nodes["n"].status == RESYNCING and out.resync == {"n"}
+    node = NodeRow("n", "i1", 3, "stale", ts(T0))
+    out = plan([batch("n", "i1", 4, stored(None, 1))], {"n": node}, {})
+    assert out.nodes["n"].status == LIVE and set(out.upserts) == {("n", 1)}

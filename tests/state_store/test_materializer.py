@@ -1,0 +1,191 @@
+"""The materializer against real Kafka and real PostgreSQL."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from confluent_kafka import Producer
+
+from eventbus import protocol as p
+from eventbus.kafka import make_consumer
+from tests.support import (
+    CoreNode,
+    applied_through,
+    fetch,
+    history_duplicates,
+    materializer,
+    node_row,
+    sql_blocks,
+    wait_for,
+)
+
+pytestmark = pytest.mark.integration
+
+
+def expected_history_rows(events: list[p.Event]) -> int:
+    n = 0
+    for e in events:
+        d = e.data
+        if isinstance(d, p.Stored | p.Snapshot):
+            n += max(1, len(d.blocks))
+        elif isinstance(d, p.Removed):
+            n += len(d.block_hashes)
+        else:
+            n += 1
+    return n
+
+
+class Recorder:
+    """Wraps a node's sink to remember every event it published (for exact history counts)."""
+
+    def __init__(self, node: CoreNode) -> None:
+        self.events: list[p.Event] = []
+        send = node.sink.send_batch
+
+        def record(batch: p.EventBatch) -> None:
+            self.events.extend(batch.events)
+            send(batch)
+
+        node.sink.send_batch = record  # type: ignore[method-assign]
+
+
+def test_random_workloads_of_three_nodes_materialize_exactly(kafka_settings, migrated_database_url, tmp_path):
+    nodes = [CoreNode(kafka_settings, f"node-{i}", seed=i) for i in range(3)]
+    recs = [Recorder(n) for n in nodes]
+    mat = materializer(kafka_settings, migrated_database_url, tmp_path).start()
+    try:
+        for _ in range(300):
+            for n in nodes:
+                n.step()
+        for n in nodes:
+            n.finish()
+        wait_for(lambda: all(applied_through(migrated_database_url, n) for n in nodes), 90,
+                 what="the materializer to catch up")
+        for n, rec in zip(nodes, recs, strict=True):
+            assert sql_blocks(migrated_database_url, n.node_id) == n.truth()
+            assert history_duplicates(migrated_database_url, n.node_id) == 0
+            rows = fetch(migrated_database_url, "SELECT count(*) AS c FROM block_events WHERE node_id = $1",
+                         n.node_id)[0]["c"]
+            assert rows == expected_history_rows(rec.events)
+        row = node_row(migrated_database_url, "node-0")
+        assert row["capacity_gpu"] == 24 and row["capacity_host"] == 16 and row["window_size"] == 64
+    finally:
+        mat.stop()
+
+
+def test_kill_9_mid_stream_then_restart_loses_and_duplicates_nothing(kafka_settings, migrated_database_url, tmp_path):
+    node = CoreNode(kafka_settings, "node-k", seed=42)
+    rec = Recorder(node)
+    group = "mat-kill9"
+    mat = materializer(kafka_settings, migrated_database_url, tmp_path, group=group).start()
+    node.run(400)
+    node.publisher.pump()
+    node.sink.flush(30)
+    # Let it get part of the way, then kill it without warning.
+    wait_for(lambda: (node_row(migrated_database_url, "node-k") or {}).get("last_event_id", -1) > 50, 60,
+             what="some progress")
+    mat.kill9()
+    node.run(400)
+    node.finish()
+    mat = materializer(kafka_settings, migrated_database_url, tmp_path, group=group).start()
+    try:
+        wait_for(lambda: applied_through(migrated_database_url, node), 120, what="catch-up after restart")
+        assert sql_blocks(migrated_database_url, "node-k") == node.truth()
+        assert history_duplicates(migrated_database_url, "node-k") == 0
+        rows = fetch(migrated_database_url, "SELECT count(*) AS c FROM block_events WHERE node_id = 'node-k'")
+        assert rows[0]["c"] == expected_history_rows(rec.events)
+    finally:
+        mat.stop()
+
+
+def test_duplicated_reordered_and_gapped_batches_and_a_restart(kafka_settings, migrated_database_url, tmp_path):
+    node = CoreNode(kafka_settings, "node-d", seed=7)
+    held: list[p.EventBatch] = []
+    send = node.sink.send_batch
+    node.sink.send_batch = held.append  # type: ignore[method-assign]
+    node.run(200)
+    node.finish()
+    assert len(held) > 10
+    mat = materializer(kafka_settings, migrated_database_url, tmp_path).start()
+    try:
+        # Every batch twice, and two neighbours swapped: a gap (then a duplicate of the past).
+        order = list(range(len(held)))
+        order[5], order[6] = order[6], order[5]
+        for i in order:
+            send(held[i])
+            send(held[i])
+        node.sink.flush(30)
+        row = wait_for(lambda: (r := node_row(migrated_database_url, "node-d")) and
+                       r["last_event_id"] == node.core.last_event_id and r, 60, what="all batches")
+        # The swap left a gap: the node was asked for a snapshot, and until it answers, it resyncs.
+        assert row["status"] == "resyncing" and row["resync_requested_at"] is not None
+        consumer = make_consumer(kafka_settings, group_id="t-control")
+        consumer.subscribe([kafka_settings.control_topic])
+        cmd = wait_for(lambda: consumer.poll(0.5), 30, what="a resync command")
+        consumer.close()
+        assert cmd.key() == b"node-d"
+        assert p.decode_control(cmd.value()).command == "resync"
+        # The node answers with a snapshot: healed and exact.
+        node.sink.send_batch = send  # type: ignore[method-assign]
+        node.core.request_snapshot()
+        node.finish()
+        wait_for(lambda: applied_through(migrated_database_url, node), 60, what="the snapshot")
+        assert sql_blocks(migrated_database_url, "node-d") == node.truth()
+        assert history_duplicates(migrated_database_url, "node-d") == 0
+
+        # The node restarts: a new instance starts clean, and the old instance's state is gone.
+        restarted = CoreNode(kafka_settings, "node-d", seed=8)
+        restarted.run(50)
+        restarted.finish()
+        wait_for(lambda: applied_through(migrated_database_url, restarted), 60, what="the new instance")
+        assert sql_blocks(migrated_database_url, "node-d") == restarted.truth()
+    finally:
+        mat.stop()
+
+
+def test_malformed_messages_go_to_the_dlq_and_good_ones_around_them_are_applied(
+        kafka_settings, migrated_database_url, tmp_path):
+    node = CoreNode(kafka_settings, "node-m", seed=3)
+    producer = Producer({"bootstrap.servers": kafka_settings.bootstrap})
+    bad = {
+        b"{not json": "malformed_json",
+        json.dumps({"schema_version": 9, "node_id": "node-m", "instance_id": "x", "ts": 1, "events": []}).encode():
+            "unknown_schema_version",
+        json.dumps({"schema_version": 1, "node_id": "node-m", "instance_id": "x", "ts": "soon",
+                    "events": []}).encode(): "invalid",
+    }
+    mat = materializer(kafka_settings, migrated_database_url, tmp_path).start()
+    try:
+        node.run(60)
+        node.publisher.pump()
+        node.sink.flush(30)
+        for raw in bad:
+            producer.produce(kafka_settings.events_topic, key=b"node-m", value=raw)
+        producer.produce(kafka_settings.events_topic, key=b"node-x", value=p.encode(
+            p.EventBatch(schema_version=1, node_id="node-m", instance_id="i", ts=1.0,
+                         events=[p.Event(event_id=0, window_size=1, data=p.Snapshot(blocks=[]))])))
+        producer.flush(10)
+        node.run(60)
+        node.finish()
+        wait_for(lambda: applied_through(migrated_database_url, node), 60, what="the good batches")
+        assert sql_blocks(migrated_database_url, "node-m") == node.truth()
+
+        consumer = make_consumer(kafka_settings, group_id="t-dlq")
+        consumer.subscribe([kafka_settings.dlq_topic])
+        got: dict[bytes, dict[str, bytes]] = {}
+        deadline = time.monotonic() + 30
+        while len(got) < 4 and time.monotonic() < deadline:
+            msg = consumer.poll(0.5)
+            if msg is not None and msg.error() is None:
+                got[msg.value()] = dict(msg.headers())
+        consumer.close()
+        assert len(got) == 4
+        for raw, reason in bad.items():
+            assert got[raw]["kvflow-error-reason"] == reason.encode()
+            assert got[raw]["kvflow-source-topic"] == kafka_settings.events_topic.encode()
+        mismatched = [h for h in got.values() if h["kvflow-error-reason"] == b"key_mismatch"]
+        assert len(mismatched) == 1
+    finally:
+        mat.stop()

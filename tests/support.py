@@ -1,0 +1,214 @@
+"""Helpers shared by integration tests: processes we start, in-process KV nodes, SQL snapshots."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+
+from eventbus.config import KafkaSettings
+from eventbus.protocol import from_sql
+from eventbus.replay import BlockState
+from inference_node.kv.clock import ManualClock
+from inference_node.kv.manager import KvCacheConfig, KVCacheManager, OutOfBlocks
+from inference_node.kv.prompt import Prompt
+from inference_node.kv.retention import KvCacheRetentionConfig, TokenRange
+from inference_node.publisher import KafkaSink, Publisher
+from state_store.config import plain_dsn
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.2, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
+
+
+def kafka_env(k: KafkaSettings) -> dict[str, str]:
+    return {"KVFLOW_KAFKA_BOOTSTRAP": k.bootstrap, "KVFLOW_KAFKA_EVENTS_TOPIC": k.events_topic,
+            "KVFLOW_KAFKA_STATS_TOPIC": k.stats_topic, "KVFLOW_KAFKA_DLQ_TOPIC": k.dlq_topic,
+            "KVFLOW_KAFKA_CONTROL_TOPIC": k.control_topic}
+
+
+class ServiceProcess:
+    """A kvflow service started by a test (by pid only; stopped by the test)."""
+
+    def __init__(self, args: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.args = args
+        self.env = {**os.environ, **env}
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> ServiceProcess:
+        self.log = self.log_path.open("ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvflow.cli", *self.args], env=self.env,
+                                     stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout: float = 30) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.log.close()
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+        self.log.close()
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+def materializer(kafka: KafkaSettings, database_url: str, tmp: Path, group: str | None = None,
+                 **extra_env: str) -> ServiceProcess:
+    env = {**kafka_env(kafka), "KVFLOW_DATABASE_URL": database_url,
+           "KVFLOW_MATERIALIZER_GROUP_ID": group or f"mat-{uuid.uuid4().hex[:8]}",
+           "KVFLOW_MATERIALIZER_WEB_PORT": str(free_port()), "KVFLOW_MATERIALIZER_DATADIR": str(tmp / "faust"),
+           "KVFLOW_MATERIALIZER_SESSION_TIMEOUT_S": "6", **extra_env}
+    return ServiceProcess(["materializer", "--loglevel", "warn"], env, tmp / "materializer.log")
+
+
+# ------------------------------------------------------------------------------ in-process nodes
+
+
+class CoreNode:
+    """A KV core with a Kafka publisher, driven by a seeded random workload (no torch)."""
+
+    SEGMENTS = [list(range(s, s + 4)) for s in range(0, 400, 10)]
+
+    def __init__(self, kafka: KafkaSettings, node_id: str, *, gpu: int = 24, host: int = 16, seed: int = 0,
+                 instance_id: str | None = None, max_queued_events: int = 100_000) -> None:
+        self.node_id = node_id
+        self.instance_id = instance_id or uuid.uuid4().hex
+        self.clock = ManualClock()
+        self.core = KVCacheManager(KvCacheConfig(num_gpu_blocks=gpu, num_host_blocks=host, block_size=4,
+                                                 window_size=64, max_queued_events=max_queued_events),
+                                   clock=self.clock)
+        self.sink = KafkaSink(kafka, node_id)
+        self.publisher = Publisher(self.core, self.sink, node_id, self.instance_id, max_events_per_batch=7)
+        self.rng = random.Random(seed)
+        self.active: list[str] = []
+        self.n = 0
+
+    def step(self) -> None:
+        rng = self.rng
+        r = rng.random()
+        if r < 0.45 or not self.active:
+            segs = [rng.randrange(len(self.SEGMENTS)) for _ in range(rng.randint(1, 5))]
+            if rng.random() < 0.5:
+                segs = [0, 1, *segs]  # a shared "system prompt"
+            tokens = [t for s in segs for t in self.SEGMENTS[s]] + [999] * rng.randint(0, 3)
+            ret = None
+            if rng.random() < 0.5:
+                ret = KvCacheRetentionConfig(
+                    (TokenRange(0, 8, rng.choice([10, 50, 100]), rng.choice([None, 1.0])),
+                     TokenRange(8, None, rng.choice([0, 35, 70]))), decode_priority=rng.choice([20, 60]))
+            rid = f"{self.node_id}-r{self.n}"
+            self.n += 1
+            try:
+                self.core.allocate(rid, Prompt.from_tokens(tokens, 4), ret)
+                self.active.append(rid)
+            except OutOfBlocks:
+                pass
+        elif r < 0.65:
+            rid = rng.choice(self.active)
+            try:
+                self.core.append_token(rid, rng.randrange(5))
+            except OutOfBlocks:
+                pass
+        elif r < 0.95:
+            rid = self.active.pop(rng.randrange(len(self.active)))
+            self.core.free(rid)
+        else:
+            self.clock.advance(0.7)
+            self.core.tick()
+        self.publisher.pump()
+
+    def run(self, steps: int) -> None:
+        for _ in range(steps):
+            self.step()
+
+    def finish(self) -> None:
+        """Free every request and deliver everything."""
+        for rid in self.active:
+            self.core.free(rid)
+        self.active.clear()
+        self.publisher.pump()
+        assert self.sink.flush(30) == 0
+
+    def truth(self) -> dict[int, BlockState]:
+        from eventbus.replay import NodeState
+
+        return NodeState.from_snapshot_blocks(self.core.cached_blocks())
+
+
+async def _fetch(url: str, sql: str, *args: Any) -> list[asyncpg.Record]:
+    conn = await asyncpg.connect(plain_dsn(url))
+    try:
+        return list(await conn.fetch(sql, *args))
+    finally:
+        await conn.close()
+
+
+def fetch(url: str, sql: str, *args: Any) -> list[asyncpg.Record]:
+    return asyncio.run(_fetch(url, sql, *args))
+
+
+def sql_blocks(url: str, node_id: str) -> dict[int, BlockState]:
+    rows = fetch(url, """SELECT block_hash, parent_hash, num_tokens, lora_id, cache_level, priority
+                         FROM node_blocks WHERE node_id = $1""", node_id)
+    return {from_sql(r["block_hash"]): BlockState(
+        from_sql(r["parent_hash"]) if r["parent_hash"] is not None else None, r["num_tokens"], r["lora_id"],
+        r["cache_level"], r["priority"]) for r in rows}
+
+
+def node_row(url: str, node_id: str) -> asyncpg.Record | None:
+    rows = fetch(url, "SELECT * FROM nodes WHERE node_id = $1", node_id)
+    return rows[0] if rows else None
+
+
+def applied_through(url: str, node: CoreNode) -> bool:
+    row = node_row(url, node.node_id)
+    return (row is not None and row["instance_id"] == node.instance_id
+            and row["last_event_id"] == node.core.last_event_id and row["status"] == "live")
+
+
+def history_duplicates(url: str, node_id: str) -> int:
+    return fetch(url, """SELECT count(*) - count(DISTINCT (instance_id, event_id, seq)) AS d
+                         FROM block_events WHERE node_id = $1""", node_id)[0]["d"]
