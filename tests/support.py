@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import signal
@@ -13,7 +14,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import asyncpg
 
@@ -110,7 +111,7 @@ def materializer(kafka: KafkaSettings, database_url: str, tmp: Path, group: str 
 class CoreNode:
     """A KV core with a Kafka publisher, driven by a seeded random workload (no torch)."""
 
-    SEGMENTS = [list(range(s, s + 4)) for s in range(0, 400, 10)]
+    SEGMENTS: ClassVar[list[list[int]]] = [list(range(s, s + 4)) for s in range(0, 400, 10)]
 
     def __init__(self, kafka: KafkaSettings, node_id: str, *, gpu: int = 24, host: int = 16, seed: int = 0,
                  instance_id: str | None = None, max_queued_events: int = 100_000) -> None:
@@ -148,10 +149,8 @@ class CoreNode:
                 pass
         elif r < 0.65:
             rid = rng.choice(self.active)
-            try:
+            with contextlib.suppress(OutOfBlocks):
                 self.core.append_token(rid, rng.randrange(5))
-            except OutOfBlocks:
-                pass
         elif r < 0.95:
             rid = self.active.pop(rng.randrange(len(self.active)))
             self.core.free(rid)
