@@ -220,6 +220,27 @@ def materializer_cmd(
     guarded("materializer", run)
 
 
+events_app = typer.Typer(no_args_is_help=True, help="Kafka events, for people and other consumers.")
+app.add_typer(events_app, name="events")
+
+
+@events_app.command("tail")
+def events_tail(
+    group: Annotated[str | None, typer.Option(help="Consumer group (default: a new one).")] = None,
+    from_beginning: Annotated[bool, typer.Option("--from-beginning", help="Start at the oldest event.")] = False,
+    node: Annotated[str | None, typer.Option(help="Only this node's events.")] = None,
+    limit: Annotated[int | None, typer.Option(help="Stop after this many events.")] = None,
+    idle_timeout: Annotated[float | None, typer.Option(help="Stop after this many seconds without messages.")]
+    = None,
+) -> None:
+    """Print kv-events live (its own consumer group), with summary counts every few seconds."""
+    from eventbus.config import KafkaSettings
+    from kvflow.tail import tail
+
+    tail(KafkaSettings(), group=group, from_beginning=from_beginning, node=node, limit=limit,
+         idle_timeout_s=idle_timeout, emit=lambda line: console.print(line, highlight=False, soft_wrap=True))
+
+
 def main() -> None:
     try:
         app()

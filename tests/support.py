@@ -25,7 +25,7 @@ from inference_node.kv.clock import ManualClock
 from inference_node.kv.manager import KvCacheConfig, KVCacheManager, OutOfBlocks
 from inference_node.kv.prompt import Prompt
 from inference_node.kv.retention import KvCacheRetentionConfig, TokenRange
-from inference_node.publisher import KafkaSink, Publisher
+from inference_node.publisher import InMemorySink, KafkaSink, Publisher
 from state_store.config import plain_dsn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,15 +113,16 @@ class CoreNode:
 
     SEGMENTS: ClassVar[list[list[int]]] = [list(range(s, s + 4)) for s in range(0, 400, 10)]
 
-    def __init__(self, kafka: KafkaSettings, node_id: str, *, gpu: int = 24, host: int = 16, seed: int = 0,
+    def __init__(self, kafka: KafkaSettings | None, node_id: str, *, gpu: int = 24, host: int = 16, seed: int = 0,
                  instance_id: str | None = None, max_queued_events: int = 100_000) -> None:
+        """``kafka=None``: batches stay in an InMemorySink (``self.sink.batches``)."""
         self.node_id = node_id
         self.instance_id = instance_id or uuid.uuid4().hex
         self.clock = ManualClock()
         self.core = KVCacheManager(KvCacheConfig(num_gpu_blocks=gpu, num_host_blocks=host, block_size=4,
                                                  window_size=64, max_queued_events=max_queued_events),
                                    clock=self.clock)
-        self.sink = KafkaSink(kafka, node_id)
+        self.sink: Any = KafkaSink(kafka, node_id) if kafka is not None else InMemorySink()
         self.publisher = Publisher(self.core, self.sink, node_id, self.instance_id, max_events_per_batch=7)
         self.rng = random.Random(seed)
         self.active: list[str] = []
