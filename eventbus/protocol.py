@@ -278,18 +278,17 @@ def decode_batch(raw: bytes | bytearray | memoryview | str, max_bytes: int = MAX
 def _check_hashes(d: EventData, i: int) -> None:
     """The upper bound of U64 (JSON integers beyond 64 bits decode as Python ints)."""
     if isinstance(d, Stored):
-        values: list[int | None] = [d.parent_hash, *(b.block_hash for b in d.blocks)]
+        top = max(d.parent_hash or 0, max(b.block_hash for b in d.blocks))
     elif isinstance(d, Removed):
-        values = [max(d.block_hashes)]
+        top = max(d.block_hashes)
     elif isinstance(d, Updated):
-        values = [d.block_hash]
+        top = d.block_hash
     elif isinstance(d, Snapshot):
-        values = [max((max(b.block_hash, b.parent_hash or 0) for b in d.blocks), default=0)]
+        top = max((max(b.block_hash, b.parent_hash or 0) for b in d.blocks), default=0)
     else:
         return
-    for v in values:
-        if v is not None and v > U64_MAX:
-            raise ProtocolError("invalid", f"block hash {v} at $.events[{i}] does not fit in 64 bits")
+    if top > U64_MAX:
+        raise ProtocolError("invalid", f"block hash {top} at $.events[{i}] does not fit in 64 bits")
 
 
 def decode_stats(raw: bytes | bytearray | memoryview | str, max_bytes: int = 1 << 20) -> NodeStats:

@@ -241,6 +241,22 @@ def events_tail(
          idle_timeout_s=idle_timeout, emit=lambda line: console.print(line, highlight=False, soft_wrap=True))
 
 
+@bench_app.command("pipeline")
+def bench_pipeline_cmd(json_path: JsonOpt = None, quick: QuickOpt = False) -> None:
+    """Block events/s from Kafka into PostgreSQL (one worker) vs raw COPY; freshness at 10k events/s."""
+    from kvflow.bench.pipeline import bench_pipeline
+
+    def run() -> None:
+        kw = {"nodes": 2, "requests_per_node": 300, "freshness_s": 3.0} if quick else {}
+        result = bench_pipeline(say=lambda m: console.print(f"[dim]{m}[/]"), **kw)  # type: ignore[arg-type]
+        result.print(console)
+        if json_path:
+            result.write_json(json_path)
+            console.print(f"wrote {json_path}")
+
+    guarded("bench pipeline", run)
+
+
 def main() -> None:
     try:
         app()

@@ -25,9 +25,10 @@ Pure: no I/O, so every rule is unit-tested exactly (``tests/state_store/test_app
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
+from typing import NamedTuple, Protocol
 
 from eventbus.protocol import (
     Created,
@@ -40,6 +41,7 @@ from eventbus.protocol import (
 )
 
 LIVE, STALE, RESYNCING, GONE = "live", "stale", "resyncing", "gone"
+_I64, _U64 = 1 << 63, 1 << 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,9 +58,8 @@ class NodeRow:
     capacity_host: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class BlockRow:
-    """A ``node_blocks`` row; hashes in their SQL (signed) form."""
+class BlockRow(NamedTuple):
+    """A ``node_blocks`` row; hashes in their SQL (signed) form (a tuple: cheap to make in bulk)."""
 
     node_id: str
     block_hash: int
@@ -76,10 +77,10 @@ class BlockRow:
 HISTORY_COLUMNS = (
     "node_id", "instance_id", "event_id", "seq", "kind", "block_hash", "parent_hash",
     "cache_level_old", "cache_level_new", "priority_old", "priority_new", "num_tokens", "lora_id",
-    "event_ts",
+    "stored_at", "event_ts",
 )
 HistoryRow = tuple[str, str, int, int, str, int | None, int | None, int | None, int | None,
-                   int | None, int | None, int | None, int | None, datetime]
+                   int | None, int | None, int | None, int | None, datetime | None, datetime]
 
 
 @dataclass
@@ -124,7 +125,55 @@ def blocks_to_look_up(batches: Iterable[EventBatch]) -> set[tuple[str, int]]:
                 out.update((node, to_sql(h)) for h in d.block_hashes)
             elif isinstance(d, Updated):
                 out.add((node, to_sql(d.block_hash)))
+            elif isinstance(d, Snapshot):  # to keep the stored time of the blocks it re-asserts
+                out.update((node, to_sql(b.block_hash)) for b in d.blocks)
     return out
+
+
+class NodeCache:
+    """The complete ``nodes`` and ``node_blocks`` state of the nodes a materializer worker owns.
+
+    With it a worker plans a transaction without reading the database, so it can plan the next
+    batches while the previous ones are being written. It is only a cache: every transaction
+    verifies, under a row lock, that the database is where the cache says it is (see
+    ``Writer.apply_planned``), and the cache is dropped whenever it is not.
+    """
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, NodeRow] = {}
+        self.blocks: dict[str, dict[int, BlockRow]] = {}
+
+    def get(self, key: tuple[str, int], /) -> BlockRow | None:
+        return self.blocks[key[0]].get(key[1])
+
+    def missing(self, node_ids: Iterable[str]) -> list[str]:
+        return sorted(n for n in node_ids if n not in self.blocks)
+
+    def load(self, nodes: Iterable[NodeRow], blocks: Iterable[BlockRow], node_ids: Iterable[str]) -> None:
+        for n in node_ids:
+            self.blocks[n] = {}
+            self.nodes.pop(n, None)
+        for row in nodes:
+            self.nodes[row.node_id] = row
+        for b in blocks:
+            self.blocks[b.node_id][b.block_hash] = b
+
+    def apply(self, p: Plan) -> None:
+        for node in p.resets:
+            self.blocks[node] = {}
+        for node, h in p.deletes:
+            self.blocks[node].pop(h, None)
+        for (node, h), row in p.upserts.items():
+            self.blocks[node][h] = row
+        self.nodes.update(p.nodes)
+
+    def expected(self, node_ids: Iterable[str]) -> dict[str, tuple[str, int] | None]:
+        """Where the database must be for a plan made from this cache to apply."""
+        return {n: (r.instance_id, r.last_event_id) if (r := self.nodes.get(n)) else None for n in node_ids}
+
+    def clear(self) -> None:
+        self.nodes.clear()
+        self.blocks.clear()
 
 
 class _NodeView:
@@ -132,7 +181,7 @@ class _NodeView:
 
     __slots__ = ("changed", "known", "node_id", "reset")
 
-    def __init__(self, node_id: str, known: dict[tuple[str, int], BlockRow]) -> None:
+    def __init__(self, node_id: str, known: KnownBlocks) -> None:
         self.node_id = node_id
         self.known = known
         self.changed: dict[int, BlockRow | None] = {}  # None: deleted in this run
@@ -150,23 +199,33 @@ class _NodeView:
         self.reset = True
 
 
-def plan(batches: Sequence[EventBatch], nodes: dict[str, NodeRow],
-         known: dict[tuple[str, int], BlockRow]) -> Plan:
-    """The writes of one transaction for ``batches`` (see the module docstring).
+class KnownBlocks(Protocol):
+    """Current ``node_blocks`` rows by (node_id, sql hash): a dict, or the materializer's cache."""
 
-    Args:
-        batches: decoded batches in consumption order (per node: Kafka order).
-        nodes: current ``nodes`` rows of the batches' nodes (missing: never seen).
-        known: current ``node_blocks`` rows for at least :func:`blocks_to_look_up`.
-    """
-    out = Plan()
-    c = out.counts
-    views: dict[str, _NodeView] = {}
-    state: dict[str, NodeRow | None] = {n: nodes.get(n) for n in {b.node_id for b in batches}}
-    for batch in batches:
+    def get(self, key: tuple[str, int], /) -> BlockRow | None: ...
+
+
+class Planner:
+    """Plans one transaction batch by batch (:func:`plan` in steps, so that a caller can yield to
+    its event loop between batches)."""
+
+    def __init__(self, nodes: Mapping[str, NodeRow], known: KnownBlocks) -> None:
+        self.nodes = nodes
+        self.known = known
+        self.out = Plan()
+        self.views: dict[str, _NodeView] = {}
+        self.state: dict[str, NodeRow | None] = {}
+
+    def add(self, batch: EventBatch) -> None:
+        out = self.out
+        c = out.counts
+        history_append = out.history.append
+        views = self.views
+        state = self.state
+        known = self.known
         c.batches += 1
         node = batch.node_id
-        row = state[node]
+        row = state[node] if node in state else self.nodes.get(node)
         view = views.get(node)
         if view is None:
             view = views[node] = _NodeView(node, known)
@@ -175,7 +234,7 @@ def plan(batches: Sequence[EventBatch], nodes: dict[str, NodeRow],
         if row is None or row.instance_id != batch.instance_id:
             if row is not None and row.instance_started_at is not None and batch_ts < row.instance_started_at:
                 c.stale_replays += 1  # a batch of an instance older than the current one
-                continue
+                return
             # A new instance (or a new node): its cache starts empty.
             c.new_instances += 1
             row = NodeRow(node_id=node, instance_id=batch.instance_id, last_event_id=-1, status=LIVE,
@@ -184,10 +243,12 @@ def plan(batches: Sequence[EventBatch], nodes: dict[str, NodeRow],
             view.clear()
             out.resets.add(node)
 
-        events = [e for e in batch.events if e.event_id > row.last_event_id]
+        instance = row.instance_id
+        events = batch.events if batch.events[0].event_id > row.last_event_id else \
+            [e for e in batch.events if e.event_id > row.last_event_id]
         if not events:
             c.duplicates += 1
-            continue
+            return
         status = row.status
         if status == GONE:
             # Its blocks were cleared when it went silent: what it says now builds on state that
@@ -200,61 +261,77 @@ def plan(batches: Sequence[EventBatch], nodes: dict[str, NodeRow],
             status = _resync(out, node)
         for ev in events:
             d = ev.data
-            c.events += 1
             if isinstance(d, (Snapshot, Created)):  # the whole state: heals any gap
                 status = LIVE
+                # A block the snapshot re-asserts keeps the time it was first stored.
+                since = {} if isinstance(d, Created) else {
+                    h: cur.stored_at for sb in d.blocks
+                    if (cur := view.get(h := to_sql(sb.block_hash))) is not None}
                 view.clear()
                 out.resets.add(node)
                 if isinstance(d, Created):
                     caps = list(d.num_blocks_per_cache_level) + [0, 0]
                     row = replace(row, capacity_gpu=caps[0], capacity_host=caps[1])
                     out.history.append(_row(row, ev.event_id, 0, "created", None, None, None, None, None, None,
-                                            None, None, batch_ts))
+                                            None, None, None, batch_ts))
                     continue
                 for seq, sb in enumerate(d.blocks):
                     h = to_sql(sb.block_hash)
                     p = to_sql(sb.parent_hash) if sb.parent_hash is not None else None
                     view.changed[h] = BlockRow(node, h, p, sb.cache_level, sb.priority, sb.num_tokens, sb.lora_id,
-                                               ev.window_size, batch_ts, batch_ts)
+                                               ev.window_size, since.get(h, batch_ts), batch_ts)
                     out.history.append(_row(row, ev.event_id, seq, "snapshot", h, p, None, sb.cache_level, None,
-                                            sb.priority, sb.num_tokens, sb.lora_id, batch_ts))
+                                            sb.priority, sb.num_tokens, sb.lora_id, None, batch_ts))
                 if not d.blocks:
                     out.history.append(_row(row, ev.event_id, 0, "snapshot", None, None, None, None, None, None,
-                                            None, None, batch_ts))
+                                            None, None, None, batch_ts))
                 continue
 
+            # NOTE: the hot path (hundreds of thousands of block events per second): tuples built
+            # inline, hashes mapped to SQL inline (see protocol.to_sql).
             applying = status != RESYNCING
+            eid = ev.event_id
+            changed = view.changed
             if isinstance(d, Stored):
-                parent = to_sql(d.parent_hash) if d.parent_hash is not None else None
+                parent = d.parent_hash
+                if parent is not None and parent >= _I64:
+                    parent -= _U64
                 for seq, b in enumerate(d.blocks):
-                    h = to_sql(b.block_hash)
+                    h = b.block_hash
+                    if h >= _I64:
+                        h -= _U64
                     if applying:
                         if view.get(h) is not None:
                             c.anomalies += 1  # stored twice: the node and SQL disagree
                             status = _resync(out, node)
                             applying = False
                         else:
-                            view.changed[h] = BlockRow(node, h, parent, b.cache_level, b.priority, b.num_tokens,
-                                                       b.lora_id, ev.window_size, batch_ts, batch_ts)
-                    out.history.append(_row(row, ev.event_id, seq, "stored", h, parent, None, b.cache_level, None,
-                                            b.priority, b.num_tokens, b.lora_id, batch_ts))
+                            changed[h] = BlockRow(node, h, parent, b.cache_level, b.priority, b.num_tokens,
+                                                  b.lora_id, ev.window_size, batch_ts, batch_ts)
+                    history_append((node, instance, eid, seq, "stored", h, parent, None, b.cache_level, None,
+                                    b.priority, b.num_tokens, b.lora_id, None, batch_ts))
                     parent = h
             elif isinstance(d, Removed):
-                for seq, hh in enumerate(d.block_hashes):
-                    h = to_sql(hh)
+                for seq, h in enumerate(d.block_hashes):
+                    if h >= _I64:
+                        h -= _U64
                     cur = view.get(h) if applying else None
-                    if applying and cur is None:
+                    if cur is not None:
+                        changed[h] = None
+                        history_append((node, instance, eid, seq, "removed", h, cur.parent_hash, cur.cache_level,
+                                        None, cur.priority, None, cur.num_tokens, cur.lora_id, cur.stored_at,
+                                        batch_ts))
+                        continue
+                    if applying:
                         c.anomalies += 1
                         status = _resync(out, node)
                         applying = False
-                    if cur is not None:
-                        view.changed[h] = None
-                    out.history.append(_row(row, ev.event_id, seq, "removed", h, cur.parent_hash if cur else None,
-                                            cur.cache_level if cur else None, None,
-                                            cur.priority if cur else None, None,
-                                            cur.num_tokens if cur else None, cur.lora_id if cur else None, batch_ts))
+                    history_append((node, instance, eid, seq, "removed", h, None, None, None, None, None, None,
+                                    None, None, batch_ts))
             elif isinstance(d, Updated):
-                h = to_sql(d.block_hash)
+                h = d.block_hash
+                if h >= _I64:
+                    h -= _U64
                 cur = view.get(h) if applying else None
                 if applying and cur is None:
                     c.anomalies += 1
@@ -262,29 +339,51 @@ def plan(batches: Sequence[EventBatch], nodes: dict[str, NodeRow],
                     applying = False
                 lv, pr = d.cache_level, d.priority
                 if cur is not None:
-                    view.changed[h] = replace(cur, cache_level=lv.new if lv else cur.cache_level,
+                    changed[h] = cur._replace(cache_level=lv.new if lv else cur.cache_level,
                                               priority=pr.new if pr else cur.priority, updated_at=batch_ts)
-                out.history.append(_row(row, ev.event_id, 0, "updated", h, cur.parent_hash if cur else None,
-                                        lv.old if lv else None, lv.new if lv else None,
-                                        pr.old if pr else None, pr.new if pr else None,
-                                        cur.num_tokens if cur else None, cur.lora_id if cur else None, batch_ts))
+                history_append((node, instance, eid, 0, "updated", h, cur.parent_hash if cur else None,
+                                lv.old if lv else None, lv.new if lv else None,
+                                pr.old if pr else None, pr.new if pr else None,
+                                cur.num_tokens if cur else None, cur.lora_id if cur else None,
+                                cur.stored_at if cur else None, batch_ts))
+        c.events += len(events)
         row = replace(row, last_event_id=events[-1].event_id, status=status,
                       window_size=events[-1].window_size)
         state[node] = row
         out.nodes[node] = row
         out.batch_ts.append(batch.ts)
 
-    out.resync = {n for n in out.resync if n in out.nodes and out.nodes[n].status == RESYNCING}
-    for node, view in views.items():
-        for h, br in view.changed.items():
-            key = (node, h)
-            if br is None:
-                if not view.reset:
-                    out.deletes.add(key)
-            else:
-                out.upserts[key] = br
-    c.block_events = len(out.history)
-    return out
+
+    def finish(self) -> Plan:
+        out = self.out
+        c = out.counts
+        out.resync = {n for n in out.resync if n in out.nodes and out.nodes[n].status == RESYNCING}
+        for node, view in self.views.items():
+            for h, br in view.changed.items():
+                key = (node, h)
+                if br is None:
+                    if not view.reset:
+                        out.deletes.add(key)
+                else:
+                    out.upserts[key] = br
+        c.block_events = len(out.history)
+        return out
+
+
+def plan(batches: Sequence[EventBatch], nodes: Mapping[str, NodeRow], known: KnownBlocks) -> Plan:
+    """The writes of one transaction for ``batches`` (see the module docstring).
+
+    Args:
+        batches: decoded batches in consumption order (per node: Kafka order).
+        nodes: current ``nodes`` rows of the batches' nodes (missing: never seen).
+        known: current ``node_blocks`` rows for at least :func:`blocks_to_look_up`.
+
+    Neither ``nodes`` nor ``known`` is modified.
+    """
+    planner = Planner(nodes, known)
+    for b in batches:
+        planner.add(b)
+    return planner.finish()
 
 
 def _resync(out: Plan, node: str) -> str:
@@ -294,6 +393,6 @@ def _resync(out: Plan, node: str) -> str:
 
 def _row(row: NodeRow, event_id: int, seq: int, kind: str, h: int | None, parent: int | None,
          level_old: int | None, level_new: int | None, prio_old: int | None, prio_new: int | None,
-         num_tokens: int | None, lora_id: int | None, event_ts: datetime) -> HistoryRow:
+         num_tokens: int | None, lora_id: int | None, stored_at: datetime | None, event_ts: datetime) -> HistoryRow:
     return (row.node_id, row.instance_id, event_id, seq, kind, h, parent, level_old, level_new,
-            prio_old, prio_new, num_tokens, lora_id, event_ts)
+            prio_old, prio_new, num_tokens, lora_id, stored_at, event_ts)

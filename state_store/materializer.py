@@ -19,12 +19,14 @@ Run it with ``kvflow materializer`` (more workers with the same group id share t
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import ssl
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +45,9 @@ from eventbus.protocol import (
     decode_stats,
     encode,
 )
+from state_store.apply import NodeCache, Plan, Planner
 from state_store.config import DatabaseSettings
-from state_store.writer import TRANSIENT, Writer, with_retry
+from state_store.writer import TRANSIENT, Applied, StaleCache, Writer, with_retry
 
 log = logging.getLogger("kvflow.materializer")
 
@@ -175,21 +178,9 @@ def build_app(kafka: KafkaSettings | None = None, db: DatabaseSettings | None = 
         for f in futures:
             await f  # delivered before the originals are acknowledged
 
-    async def apply(items: list[tuple[Any, EventBatch]]) -> None:
-        """Apply in one transaction; if the data cannot be applied, find the culprits one by one."""
-        t0 = time.perf_counter()
-        try:
-            applied = await retrying(lambda: writer.apply([b for _, b in items]))
-        except Exception as exc:  # not transient: retrying the same data fails the same way
-            if len(items) > 1:
-                log.error("transaction failed (%s); applying %d batches one by one", exc, len(items))
-                for item in items:
-                    await apply([item])
-                return
-            log.exception("batch could not be applied")
-            await to_dlq([(items[0][0], "apply_failed", f"{type(exc).__name__}: {exc}")])
-            return
-        m.txn_seconds.observe(time.perf_counter() - t0)
+    def record(applied: Applied, seconds: float) -> list[str]:
+        """Metrics of a committed transaction; returns the nodes to ask for a snapshot now."""
+        m.txn_seconds.observe(seconds)
         p = applied.plan
         c = p.counts
         now = time.time()
@@ -204,14 +195,39 @@ def build_app(kafka: KafkaSettings | None = None, db: DatabaseSettings | None = 
             m.freshness.observe(max(0.0, now - t))
         m.last_commit.set(now)
         state["db_ok"], state["last_commit"] = True, now
-        for node in applied.resync_now:
+        return applied.resync_now
+
+    async def ask_for_snapshots(nodes: list[str]) -> None:
+        for node in nodes:
             m.resyncs.inc()
             log.info("asking %s for a snapshot", node)
-            cmd = ControlCommand(schema_version=1, node_id=node, command="resync", reason="event_id gap", ts=now)
+            cmd = ControlCommand(schema_version=1, node_id=node, command="resync", reason="event_id gap",
+                                 ts=time.time())
             await control_topic.send(key=node.encode(), value=encode(cmd))
+
+    async def apply_reading(items: list[tuple[Any, EventBatch]]) -> None:
+        """The slow path: plan inside the transaction from what the database holds; if the data
+        cannot be applied at all, find the culprits one by one (DLQ)."""
+        t0 = time.perf_counter()
+        try:
+            applied = await retrying(lambda: writer.apply([b for _, b in items]))
+        except Exception as exc:  # not transient: retrying the same data fails the same way
+            if len(items) > 1:
+                log.error("transaction failed (%s); applying %d batches one by one", exc, len(items))
+                for item in items:
+                    await apply_reading([item])
+                return
+            log.exception("batch could not be applied")
+            await to_dlq([(items[0][0], "apply_failed", f"{type(exc).__name__}: {exc}")])
+            return
+        await ask_for_snapshots(record(applied, time.perf_counter() - t0))
+
+    pipeline = EventsPipeline(writer, retrying, apply_reading, record, ask_for_snapshots)
+    app.kvflow_pipeline = pipeline  # type: ignore[attr-defined]
 
     @app.agent(events_topic, name="kv-events")
     async def consume_events(stream: Any) -> None:  # faust.Stream; its typing is loose
+        pipeline.start(stream.ack)
         async for evs in stream.noack_take(ms.batch_max, within=ms.batch_within_s):
             good: list[tuple[Any, EventBatch]] = []
             bad: list[tuple[Any, str, str]] = []
@@ -227,10 +243,7 @@ def build_app(kafka: KafkaSettings | None = None, db: DatabaseSettings | None = 
                     bad.append((msg, exc.reason, exc.message))
             if bad:
                 await to_dlq(bad)
-            if good:
-                await apply(good)
-            for e in evs:
-                await stream.ack(e)
+            await pipeline.submit(good, evs)
 
     @app.agent(stats_topic, name="node-stats")
     async def consume_stats(stream: Any) -> None:
@@ -278,6 +291,116 @@ def build_app(kafka: KafkaSettings | None = None, db: DatabaseSettings | None = 
         return web.bytes(generate_latest(m.registry), content_type="text/plain; version=0.0.4")
 
     return app
+
+
+@dataclass
+class _Item:
+    items: list[tuple[Any, EventBatch]]
+    events: list[Any]  # faust events to acknowledge once committed
+    plan: Plan | None
+    expected: dict[str, tuple[str, int] | None]
+    generation: int
+
+
+class EventsPipeline:
+    """Two stages, so that Python and PostgreSQL work at the same time.
+
+    Stage 1 (the faust agent, :meth:`submit`) plans each take of batches against the worker's
+    :class:`~state_store.apply.NodeCache` and queues the plan. Stage 2 (:meth:`_write_loop`, a task)
+    writes the plans in order, each in one transaction that first checks the database is where the
+    cache said, then acknowledges the take's messages. If it is not (another worker wrote these
+    nodes, e.g. during a rebalance) or a transaction fails on its data, the cache is dropped and
+    the queued takes go the slow path: planned inside their transaction from what the database
+    holds (``Writer.apply``).
+    """
+
+    def __init__(self, writer: Writer, retrying: Any, slow_path: Any, record: Any, ask: Any,
+                 depth: int = 2) -> None:
+        self.writer = writer
+        self.retrying = retrying
+        self.slow_path = slow_path
+        self.record = record
+        self.ask = ask
+        self.cache = NodeCache()
+        self.queue: asyncio.Queue[_Item] = asyncio.Queue(depth)
+        self.generation = 0
+        self.stale_caches = 0
+        self._task: asyncio.Task[None] | None = None
+        self._ack: Any = None
+
+    def start(self, ack: Any) -> None:
+        self._ack = ack
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._write_loop())
+
+    def invalidate(self) -> None:
+        self.generation += 1
+        self.cache.clear()
+
+    async def submit(self, items: list[tuple[Any, EventBatch]], events: list[Any]) -> None:
+        gen = self.generation
+        p: Plan | None = None
+        expected: dict[str, tuple[str, int] | None] = {}
+        if items:
+            batches = [b for _, b in items]
+            node_ids = {b.node_id for b in batches}
+            missing = self.cache.missing(node_ids)
+            if missing:
+                nodes, blocks = await self.retrying(lambda: self.writer.load(missing))
+                if gen == self.generation:
+                    self.cache.load(nodes, blocks, missing)
+            if gen == self.generation:
+                expected = self.cache.expected(node_ids)
+                planner = Planner(self.cache.nodes, self.cache)
+                for i, b in enumerate(batches):
+                    planner.add(b)
+                    if i % 16 == 15:
+                        # NOTE: planning is CPU work in the event loop; yielding lets the previous
+                        # take's transaction stream its COPY meanwhile. The cache is not touched
+                        # until the plan is whole, and only this coroutine plans.
+                        await asyncio.sleep(0)
+                p = planner.finish()
+                if gen == self.generation:
+                    self.cache.apply(p)
+                else:
+                    p = None
+        await self.queue.put(_Item(items, events, p, expected, gen))
+
+    async def _write_loop(self) -> None:
+        while True:
+            item = await self.queue.get()
+            try:
+                await self._write(item)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never lose the loop; the messages stay unacknowledged
+                log.exception("writing a take failed; dropping the cache and retrying it")
+                self.invalidate()
+                await self.slow_path(item.items)
+            for e in item.events:
+                await self._ack(e)
+
+    async def _write(self, item: _Item) -> None:
+        if not item.items:
+            return
+        if item.plan is None or item.generation != self.generation:
+            await self.slow_path(item.items)
+            return
+        t0 = time.perf_counter()
+        try:
+            applied = await self.retrying(lambda: self.writer.apply_planned(item.plan, item.expected))
+        except StaleCache as exc:
+            self.stale_caches += 1
+            log.info("cache out of date (%s): replanning from the database", exc)
+            self.invalidate()
+            await self.slow_path(item.items)
+            return
+        except Exception as exc:  # the data cannot be applied as planned: slow path isolates it
+            log.error("planned transaction failed (%s: %s); replanning from the database", type(exc).__name__, exc)
+            self.invalidate()
+            await self.slow_path(item.items)
+            return
+        await self.ask(self.record(applied, time.perf_counter() - t0))
 
 
 STATS_UPSERT = """

@@ -77,7 +77,7 @@ class BlockEvent(Base):
 
     __tablename__ = "block_events"
     __table_args__ = (
-        Index("block_events_node_block_idx", "node_id", "block_hash", "event_ts"),
+        Index("block_events_event_ts_brin", "event_ts", postgresql_using="brin"),
         {"postgresql_partition_by": "RANGE (event_ts)"},
     )
 
@@ -96,8 +96,9 @@ class BlockEvent(Base):
     priority_new: Mapped[int | None] = mapped_column(SmallInteger)
     num_tokens: Mapped[int | None] = mapped_column(Integer)
     lora_id: Mapped[int | None] = mapped_column(BigInteger)
+    stored_at: Mapped[datetime | None] = mapped_column(TZ)
     event_ts: Mapped[datetime] = mapped_column(TZ)
-    ingested_at: Mapped[datetime] = mapped_column(TZ, server_default=text("now()"))
+    ingested_at: Mapped[datetime] = mapped_column(TZ, server_default=text("clock_timestamp()"))
 
 
 class NodeStatsSample(Base):

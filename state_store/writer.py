@@ -43,10 +43,11 @@ TRANSIENT = (
 LOCK_NODES = """
 INSERT INTO nodes (node_id, instance_id) SELECT unnest($1::text[]), '' ON CONFLICT (node_id) DO NOTHING;
 """
-SELECT_NODES = """
+READ_NODES = """
 SELECT node_id, instance_id, last_event_id, status, instance_started_at, window_size, capacity_gpu, capacity_host
-FROM nodes WHERE node_id = ANY($1::text[]) ORDER BY node_id FOR UPDATE
+FROM nodes WHERE node_id = ANY($1::text[]) ORDER BY node_id
 """
+SELECT_NODES = READ_NODES + " FOR UPDATE"
 SELECT_BLOCKS = """
 SELECT nb.node_id, nb.block_hash, nb.parent_hash, nb.cache_level, nb.priority, nb.num_tokens, nb.lora_id,
        nb.window_size, nb.stored_at, nb.updated_at
@@ -88,10 +89,21 @@ RETURNING node_id
 """
 
 
+SELECT_NODE_BLOCKS = """
+SELECT node_id, block_hash, parent_hash, cache_level, priority, num_tokens, lora_id, window_size, stored_at,
+       updated_at
+FROM node_blocks WHERE node_id = ANY($1::text[])
+"""
+
+
 @dataclass
 class Applied:
     plan: Plan
     resync_now: list[str]
+
+
+class StaleCache(Exception):
+    """The database is not where the worker's cache said it was (another worker wrote there)."""
 
 
 class Writer:
@@ -142,11 +154,39 @@ class Writer:
                 for r in await conn.fetch(SELECT_BLOCKS, list(kn), list(kh)):
                     known[(r["node_id"], r["block_hash"])] = BlockRow(*r)
             p = plan(batches, nodes, known)
-            await write(conn, p)
-            resync_now: list[str] = []
-            if p.resync:
-                resync_now = [r["node_id"] for r in await conn.fetch(MARK_RESYNC, sorted(p.resync),
-                                                                     self.resync_cooldown_s)]
+            return await self._write(conn, p)
+
+    async def load(self, node_ids: Sequence[str]) -> tuple[list[NodeRow], list[BlockRow]]:
+        """The complete state of some nodes, for a worker's NodeCache."""
+        pool = await self.pool()
+        async with pool.acquire() as conn, conn.transaction(isolation="repeatable_read", readonly=True):
+            nodes = [NodeRow(*r) for r in await conn.fetch(READ_NODES, node_ids) if r["instance_id"] != ""]
+            blocks = [BlockRow(*r) for r in await conn.fetch(SELECT_NODE_BLOCKS, node_ids)]
+        return nodes, blocks
+
+    async def apply_planned(self, p: Plan, expected: dict[str, tuple[str, int] | None]) -> Applied:
+        """Write a plan made from a NodeCache, after checking under lock that the database is where
+        the cache was (``expected``: node -> (instance_id, last_event_id), None: no row).
+
+        Raises:
+            StaleCache: it is not; nothing was written.
+        """
+        pool = await self.pool()
+        async with pool.acquire() as conn, conn.transaction():
+            node_ids = sorted(expected)
+            await conn.execute(LOCK_NODES, node_ids)
+            for r in await conn.fetch(SELECT_NODES, node_ids):
+                have = None if r["instance_id"] == "" else (r["instance_id"], r["last_event_id"])
+                if have != expected[r["node_id"]]:
+                    raise StaleCache(f"{r['node_id']}: database at {have}, cache at {expected[r['node_id']]}")
+            return await self._write(conn, p)
+
+    async def _write(self, conn: asyncpg.Connection, p: Plan) -> Applied:
+        await write(conn, p)
+        resync_now: list[str] = []
+        if p.resync:  # ask each node at most once per cooldown
+            resync_now = [r["node_id"] for r in await conn.fetch(MARK_RESYNC, sorted(p.resync),
+                                                                 self.resync_cooldown_s)]
         return Applied(p, resync_now)
 
     async def run(self, fn: Callable[[asyncpg.Connection], Awaitable[T]]) -> T:

@@ -68,6 +68,18 @@ def test_removed_and_updated_take_old_values_from_sql():
     upd, rem = out.history
     assert (upd[4], upd[7], upd[8], upd[9], upd[10]) == ("updated", 0, 1, None, None)
     assert (rem[4], rem[6], rem[7], rem[9]) == ("removed", 7, 0, 35)
+    assert rem[13] == then  # stored_at: the residency of the removed block starts there
+
+
+def test_a_snapshot_keeps_the_stored_time_of_blocks_it_reasserts():
+    then = datetime(2026, 1, 1, tzinfo=UTC)
+    node = NodeRow("n", "i1", 9, LIVE, ts(T0))
+    known = {("n", 7): BlockRow("n", 7, None, 0, 80, 4, None, 64, then, then)}
+    snap = p.Snapshot(blocks=[p.SnapshotBlock(block_hash=7, parent_hash=None, num_tokens=4, priority=80),
+                              p.SnapshotBlock(block_hash=8, parent_hash=7, num_tokens=4, priority=35)])
+    out = plan([batch("n", "i1", 10, snap)], {"n": node}, known)
+    assert out.upserts[("n", 7)].stored_at == then
+    assert out.upserts[("n", 8)].stored_at == ts(T0)
 
 
 def test_a_gap_marks_the_node_resyncing_until_a_snapshot_heals_it():

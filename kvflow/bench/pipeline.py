@@ -1,0 +1,278 @@
+"""``kvflow bench pipeline``: block events per second from Kafka into PostgreSQL, and freshness.
+
+1. Throughput. KV cores (no torch) run a churning workload. A materializer worker is started on
+   fresh topics and a fresh database and warmed up (one small batch round trip); then the whole
+   stream is produced at once and the worker drains it as fast as it can. Figure: block events
+   per second, from the first produce to the last node's last event being in ``nodes``.
+2. Raw ceiling, measured in the same run: the same history rows and the same final
+   ``node_blocks`` rows written straight into the same tables of another fresh database with the
+   fastest statement there is (binary ``COPY``), no Kafka, no decoding, no planning.
+3. Freshness. With the worker caught up, batches are produced at a steady 10k block events/s;
+   for each row, ``ingested_at - event_ts`` (the node's publish time to the row's insert by the
+   materializer, on this machine's one clock), p50 and p99.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+
+from eventbus.config import KafkaSettings
+from eventbus.kafka import delete_topics, ensure_topics, make_producer, topic_specs
+from eventbus.protocol import EventBatch, encode
+from inference_node.kv.manager import KvCacheConfig, KVCacheManager
+from inference_node.publisher import InMemorySink, Publisher
+from kvflow.bench.harness import BenchResult, percentile
+from kvflow.bench.kv import synthetic_stream
+from state_store.apply import plan
+from state_store.config import DatabaseSettings, plain_dsn
+
+PROJECT = Path(__file__).resolve().parents[2]
+
+
+def make_batches(nodes: int, requests_per_node: int, *, pool_blocks: int = 1500, events_per_batch: int = 250,
+                 seed: int = 11) -> list[EventBatch]:
+    """Event batches of ``nodes`` KV cores running a synthetic workload that keeps evicting."""
+    out: list[EventBatch] = []
+    for n in range(nodes):
+        core = KVCacheManager(KvCacheConfig(num_gpu_blocks=pool_blocks, num_host_blocks=pool_blocks // 2,
+                                            block_size=32, max_queued_events=1 << 22))
+        sink = InMemorySink()
+        pub = Publisher(core, sink, f"bench-node-{n}", uuid.uuid4().hex, max_events_per_batch=events_per_batch,
+                        max_in_flight=1 << 30)
+        for i, prompt in enumerate(synthetic_stream(requests_per_node, seed=seed + n)):
+            core.allocate("r", prompt)
+            core.free("r")
+            if i % 16 == 0:
+                pub.pump()
+        pub.pump()
+        out.extend(sink.batches)
+    return out
+
+
+def block_events(batches: list[EventBatch]) -> int:
+    return len(plan(batches, {}, {}).history)
+
+
+@contextmanager
+def scratch_database(admin_url: str, prefix: str) -> Iterator[str]:
+    """A fresh database with kvflow's schema, dropped afterwards (needs CREATEDB, as in the local stack)."""
+    from sqlalchemy.engine import make_url
+
+    from migrations import upgrade
+
+    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
+
+    async def admin(sql: str) -> None:
+        conn = await asyncpg.connect(plain_dsn(admin_url))
+        try:
+            await conn.execute(sql)
+        finally:
+            await conn.close()
+
+    asyncio.run(admin(f'CREATE DATABASE "{name}"'))
+    url = make_url(admin_url).set(database=name).render_as_string(hide_password=False)
+    try:
+        upgrade("head", url=url)
+        yield url
+    finally:
+        asyncio.run(admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+async def _poll(url: str, sql: str, *args: Any) -> Any:
+    conn = await asyncpg.connect(plain_dsn(url))
+    try:
+        return await conn.fetchval(sql, *args)
+    finally:
+        await conn.close()
+
+
+def _produce(k: KafkaSettings, batches: list[EventBatch]) -> None:
+    _produce_encoded(k, [(b.node_id.encode(), encode(b)) for b in batches])
+
+
+def _produce_encoded(k: KafkaSettings, messages: list[tuple[bytes, bytes]]) -> None:
+    producer = make_producer(k)
+    for key, value in messages:
+        while True:
+            try:
+                producer.produce(k.events_topic, key=key, value=value)
+                break
+            except BufferError:
+                producer.poll(0.05)
+        producer.poll(0)
+    assert producer.flush(60) == 0
+
+
+def raw_ceiling(url: str, batches: list[EventBatch]) -> tuple[float, int]:
+    """Seconds to COPY the same history and final node_blocks rows into fresh tables."""
+    p = plan(batches, {}, {})
+    from state_store.apply import HISTORY_COLUMNS
+
+    blocks = [(r.node_id, r.block_hash, r.parent_hash, r.cache_level, r.priority, r.num_tokens, r.lora_id,
+               r.window_size, r.stored_at, r.updated_at) for r in p.upserts.values()]
+
+    async def run() -> float:
+        conn = await asyncpg.connect(plain_dsn(url))
+        try:
+            t0 = time.perf_counter()
+            async with conn.transaction():
+                await conn.copy_records_to_table("block_events", records=p.history, columns=HISTORY_COLUMNS)
+                await conn.copy_records_to_table("node_blocks", records=blocks, columns=[
+                    "node_id", "block_hash", "parent_hash", "cache_level", "priority", "num_tokens", "lora_id",
+                    "window_size", "stored_at", "updated_at"])
+            return time.perf_counter() - t0
+        finally:
+            await conn.close()
+
+    return asyncio.run(run()), len(p.history)
+
+
+def _materializer(k: KafkaSettings, url: str, log: Path, **env: str) -> subprocess.Popen[bytes]:
+    e = {**os.environ, "KVFLOW_KAFKA_BOOTSTRAP": k.bootstrap, "KVFLOW_KAFKA_EVENTS_TOPIC": k.events_topic,
+         "KVFLOW_KAFKA_STATS_TOPIC": k.stats_topic, "KVFLOW_KAFKA_DLQ_TOPIC": k.dlq_topic,
+         "KVFLOW_KAFKA_CONTROL_TOPIC": k.control_topic, "KVFLOW_DATABASE_URL": url,
+         "KVFLOW_MATERIALIZER_GROUP_ID": f"bench-{uuid.uuid4().hex[:8]}", "KVFLOW_MATERIALIZER_WEB_PORT": "0",
+         **env}
+    return subprocess.Popen([sys.executable, "-m", "kvflow.cli", "materializer", "--loglevel", "warn"], env=e,
+                            stdout=log.open("ab"), stderr=subprocess.STDOUT, cwd=PROJECT)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+def bench_pipeline(*, nodes: int = 8, requests_per_node: int = 2500, freshness_rate: float = 10_000,
+                   freshness_s: float = 20.0, log_dir: Path | None = None,
+                   say: Callable[[str], None] = lambda _m: None) -> BenchResult:
+    res = BenchResult("pipeline")
+    base = KafkaSettings()
+    suffix = uuid.uuid4().hex[:8]
+    k = base.model_copy(update={"events_topic": f"bench-events-{suffix}", "stats_topic": f"bench-stats-{suffix}",
+                                "dlq_topic": f"bench-dlq-{suffix}", "control_topic": f"bench-control-{suffix}"})
+    admin_url = DatabaseSettings().writer()
+    log_dir = log_dir or Path(os.environ.get("TMPDIR", "/tmp"))
+    log = log_dir / f"kvflow-bench-pipeline-{suffix}.log"
+
+    say(f"generating the event stream of {nodes} KV cores …")
+    batches = make_batches(nodes, requests_per_node)
+    total = block_events(batches)
+    res.details.update({"nodes": nodes, "batches": len(batches), "events": sum(len(b.events) for b in batches),
+                        "block_events": total, "materializer_log": str(log)})
+
+    ensure_topics(k)
+    try:
+        with scratch_database(admin_url, "kvflow_bench_raw") as raw_url:
+            say(f"raw ceiling: COPY {total:,} rows straight into PostgreSQL …")
+            raw_s, _ = raw_ceiling(raw_url, batches)
+        res.baseline["raw_events_per_s"] = total / raw_s
+
+        with scratch_database(admin_url, "kvflow_bench") as url:
+            proc = _materializer(k, url, log)
+            try:
+                say("starting a materializer worker and warming it up …")
+                warm = make_batches(1, 20, seed=5)
+                for b in warm:
+                    b.node_id = "warmup"
+                _produce(k, warm)
+                _wait(url, {"warmup": warm[-1].events[-1].event_id}, proc, log, 120)
+
+                say(f"producing {len(batches):,} batches and materializing them with one worker …")
+                targets = {b.node_id: b.events[-1].event_id for b in batches}
+                encoded = [(b.node_id.encode(), encode(b)) for b in batches]
+                t0 = time.monotonic()
+                _produce_encoded(k, encoded)
+                res.details["produce_seconds"] = time.monotonic() - t0
+                elapsed = _wait(url, targets, proc, log, 600) - t0
+                res.figures["events_per_s"] = total / elapsed
+                res.details["throughput_seconds"] = elapsed
+
+                say(f"freshness at {freshness_rate:,.0f} block events/s for {freshness_s:.0f} s …")
+                fresh = make_batches(4, int(requests_per_node * 2), seed=99)
+                lat = _freshness(k, url, fresh, freshness_rate, freshness_s)
+                res.figures["freshness_p50_ms"] = percentile(lat, 50) * 1000
+                res.figures["freshness_p99_ms"] = percentile(lat, 99) * 1000
+                res.details["freshness_rows"] = len(lat)
+            finally:
+                _stop(proc)
+    finally:
+        delete_topics(k, [t.name for t in topic_specs(k)])
+    res.ratios["vs_raw_ceiling"] = res.figures["events_per_s"] / res.baseline["raw_events_per_s"]
+    res.goals.update({"events_per_s": ">= 100000", "vs_raw_ceiling": ">= 0.5", "freshness_p99_ms": "< 1000"})
+    return res
+
+
+def _wait(url: str, targets: dict[str, int], proc: subprocess.Popen[bytes], log: Path, timeout: float) -> float:
+    """Poll (one connection, every 50 ms: the poller must not steal the machine from the
+    materializer) until every node's last_event_id reached its target; return that time."""
+    import json
+
+    async def run() -> float:
+        conn = await asyncpg.connect(plain_dsn(url))
+        try:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                done = await conn.fetchval("SELECT count(*) FROM nodes WHERE last_event_id = "
+                                           "(($1::jsonb) ->> node_id)::bigint", json.dumps(targets))
+                if done == len(targets):
+                    return time.monotonic()
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the materializer exited; see {log}")
+                await asyncio.sleep(0.05)
+        finally:
+            await conn.close()
+        raise RuntimeError(f"the materializer did not finish within {timeout:.0f} s; see {log}")
+
+    return asyncio.run(run())
+
+
+def _freshness(k: KafkaSettings, url: str, batches: list[EventBatch], rate: float, seconds: float) -> list[float]:
+    """Produce batches at ``rate`` block events/s (ts = send time); return ingest latencies."""
+    import msgspec
+
+    producer = make_producer(k, **{"linger.ms": 1})
+    # Fresh node ids, so these batches start their own instances.
+    rows_per_batch = [max(1, len(plan([b], {}, {}).history)) for b in batches]
+    t0 = time.time()
+    sent_rows = 0
+    marks: list[str] = []
+    for b, n in zip(batches, rows_per_batch, strict=True):
+        due = t0 + sent_rows / rate
+        delay = due - time.time()
+        if delay > 0:
+            time.sleep(delay)
+        if time.time() - t0 > seconds:
+            break
+        b2 = msgspec.structs.replace(b, node_id=f"fresh-{b.node_id}", ts=time.time())
+        producer.produce(k.events_topic, key=b2.node_id.encode(), value=encode(b2))
+        producer.poll(0)
+        sent_rows += n
+        marks.append(b2.node_id)
+    producer.flush(30)
+    time.sleep(2.0)  # let the worker commit the tail
+
+    async def fetch() -> list[float]:
+        conn = await asyncpg.connect(plain_dsn(url))
+        try:
+            rows = await conn.fetch("SELECT extract(epoch FROM ingested_at - event_ts) AS lag FROM block_events "
+                                    "WHERE node_id LIKE 'fresh-%'")
+            return [float(r["lag"]) for r in rows]
+        finally:
+            await conn.close()
+
+    return asyncio.run(fetch())
