@@ -230,7 +230,7 @@ class ControlListener:
             if msg.key() != self.node_id.encode():
                 continue
             try:
-                cmd = decode_control(msg.value())
+                cmd = decode_control(msg.value() or b"")
             except ProtocolError as exc:
                 log.warning("ignoring a bad control message: %s", exc)
                 continue

@@ -10,7 +10,7 @@ import asyncio
 import os
 import sys
 from collections.abc import Callable
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
@@ -255,6 +255,65 @@ def bench_pipeline_cmd(json_path: JsonOpt = None, quick: QuickOpt = False) -> No
             console.print(f"wrote {json_path}")
 
     guarded("bench pipeline", run)
+
+
+@app.command("node")
+def node_cmd(
+    node_id: Annotated[str | None, typer.Option("--node-id", help="Stable node name (Kafka key).")] = None,
+    host: Annotated[str | None, typer.Option(help="Bind address.")] = None,
+    port: Annotated[int | None, typer.Option(help="HTTP port (default 8101).")] = None,
+    num_blocks: Annotated[int | None, typer.Option("--num-blocks", help="GPU-tier KV blocks.")] = None,
+    host_blocks: Annotated[int | None, typer.Option("--host-blocks", help="Host-tier KV blocks.")] = None,
+    block_size: Annotated[int | None, typer.Option("--block-size", help="Tokens per block.")] = None,
+    device: Annotated[str | None, typer.Option(help="cpu, cuda or auto.")] = None,
+    model_dir: Annotated[str | None, typer.Option("--model-dir", help="Local Hugging Face Llama folder.")] = None,
+    model_preset: Annotated[str | None, typer.Option("--model-preset", help="tiny or small (random).")] = None,
+    advertise_url: Annotated[str | None, typer.Option("--advertise-url", help="URL the router uses.")] = None,
+    adaptive: Annotated[bool | None, typer.Option("--adaptive/--no-adaptive",
+                                                  help="Learned priorities without hints.")] = None,
+    kafka: Annotated[bool | None, typer.Option("--kafka/--no-kafka", help="Publish events to Kafka.")] = None,
+    log_level: Annotated[str, typer.Option(help="Log level.")] = "info",
+) -> None:
+    """Run one inference node: a torch model over the paged KV cache, its HTTP API, events to Kafka."""
+    import logging
+
+    import uvicorn
+
+    from inference_node.node import NodeSettings, build_node
+    from inference_node.server import create_app
+
+    overrides: dict[str, Any] = {k: v for k, v in {
+        "node_id": node_id, "host": host, "port": port, "num_blocks": num_blocks, "host_blocks": host_blocks,
+        "block_size": block_size, "device": device, "model_dir": model_dir, "model_preset": model_preset,
+        "advertise_url": advertise_url, "adaptive": adaptive, "kafka": kafka}.items() if v is not None}
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def run() -> None:
+        from eventbus.config import Environment, KafkaSettings, RuntimeSettings
+
+        try:
+            settings = NodeSettings(**overrides)
+            env = RuntimeSettings().env
+            kafka_settings = KafkaSettings()
+            kafka_settings.check(env)
+            if not settings.api_keys:
+                if env is Environment.PRODUCTION:
+                    raise ValueError("KVFLOW_NODE_API_KEYS is required when KVFLOW_ENV=production")
+                console.print("[yellow]development mode: no API keys, the node's API is open[/]")
+            node = build_node(settings, kafka_settings)
+        except (ValueError, FileNotFoundError) as exc:
+            raise StackError(str(exc)) from exc
+        console.print(f"node {settings.node_id} (instance {node.instance_id}) listening on "
+                      f"http://{settings.host}:{settings.port} — {node.model.cfg.name} on {node.device}, "
+                      f"{settings.num_blocks}+{settings.host_blocks} blocks of {settings.block_size} tokens",
+                      highlight=False)
+        try:
+            uvicorn.run(create_app(node), host=settings.host, port=settings.port, log_level=log_level.lower(),
+                        access_log=False)
+        finally:
+            node.close()
+
+    guarded("node", run)
 
 
 def main() -> None:

@@ -109,7 +109,7 @@ def tail(settings: KafkaSettings, *, group: str | None = None, from_beginning: b
                 continue
             last_msg = now
             try:
-                batch = decode_batch(msg.value())
+                batch = decode_batch(msg.value() or b"")
             except ProtocolError as exc:
                 summary.bad += 1
                 emit(f"!! bad message at {msg.topic()}[{msg.partition()}]@{msg.offset()}: {exc}")

@@ -1,0 +1,372 @@
+"""The engine: one thread that owns the model, the KV core and the publisher, and runs requests.
+
+Each loop iteration it (1) admits waiting requests, one prefill at a time (the KV core matches the
+cached prefix; only the uncached suffix is computed, reading the prefix from the pool), (2) runs
+one decode step for every running request in one batched forward (continuous batching: requests
+join and leave between steps), (3) performs the block copies the core asks for (offload to and
+onboard from the host pool, before the forward that needs them), and (4) drains the core's events
+to the publisher and heartbeats ``NodeStats``.
+
+Everything that touches the core or the tensors happens on this thread; the HTTP server talks
+to it through :meth:`Engine.submit` (outputs come back on an asyncio queue) and
+:meth:`Engine.call` (a function run between steps, e.g. to read the ground truth).
+
+NOTE: prefills run one request at a time, before the decode step. A prompt's new blocks are
+cached (``stored``) when it is admitted, before its forward writes them; no other request can
+match them until that forward is done, because nothing else is admitted in between.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+
+from eventbus.protocol import NodeCounters, NodeStats
+from eventbus.tokenizers import Tokenizer
+from inference_node.kv.manager import GPU, BlockCopy, KVCacheManager, OutOfBlocks
+from inference_node.kv.prompt import Prompt
+from inference_node.kv.retention import KvCacheRetentionConfig
+from inference_node.model.llama import KVPool, LlamaModel, SeqBatchItem, copy_block
+from inference_node.publisher import ControlListener, Publisher
+
+log = logging.getLogger("kvflow.engine")
+T = TypeVar("T")
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    seed: int | None = None
+    retention: KvCacheRetentionConfig | None = None
+    lora_id: int | None = None
+    cache_salt: str | None = None
+    ignore_eos: bool = False
+
+
+@dataclass
+class Output:
+    """One step of a request's output, sent to its handle."""
+
+    token_id: int | None
+    finished: bool = False
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+class RequestHandle:
+    """The server's side of a request: outputs arrive on an asyncio queue."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.loop = loop
+        self.queue: asyncio.Queue[Output] = asyncio.Queue()
+        self.submitted = time.monotonic()
+
+    def put(self, out: Output) -> None:  # called from the engine thread
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
+
+    async def __aiter__(self) -> Any:
+        while True:
+            out = await self.queue.get()
+            yield out
+            if out.finished:
+                return
+
+
+@dataclass
+class _Running:
+    req: GenerationRequest
+    handle: RequestHandle
+    prompt_len: int
+    cached_tokens: int
+    generator: torch.Generator | None
+    last_token: int
+    generated: int = 1
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class EngineStats:
+    requests: int = 0
+    finished: int = 0
+    rejected: int = 0
+    preempted: int = 0
+    generated_tokens: int = 0
+    prefill_tokens_computed: int = 0
+    prefill_seconds: float = 0.0
+    decode_steps: int = 0
+    decode_seconds: float = 0.0
+    copies: int = 0
+
+
+class Engine:
+    """Runs requests on one model and one KV cache (see the module docstring)."""
+
+    def __init__(self, *, model: LlamaModel, tokenizer: Tokenizer, core: KVCacheManager, gpu_pool: KVPool,
+                 host_pool: KVPool | None, publisher: Publisher, node_id: str, instance_id: str,
+                 url: str, model_name: str, max_running: int = 32, heartbeat_s: float = 1.0,
+                 control: ControlListener | None = None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.core = core
+        self.gpu_pool = gpu_pool
+        self.host_pool = host_pool
+        self.publisher = publisher
+        self.node_id = node_id
+        self.instance_id = instance_id
+        self.url = url
+        self.model_name = model_name
+        self.block_size = core.block_size
+        self.context_len = model.cfg.max_position_embeddings
+        self.max_running = max_running
+        self.heartbeat_s = heartbeat_s
+        self.control = control
+        self.stats = EngineStats()
+        self._waiting: collections.deque[tuple[GenerationRequest, RequestHandle]] = collections.deque()
+        self._calls: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = \
+            collections.deque()
+        self._cancelled: set[str] = set()
+        self._running: dict[str, _Running] = {}
+        self._wake = threading.Condition()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"engine-{node_id}", daemon=True)
+        self._last_heartbeat = 0.0
+        self.started = False
+        self.fatal: BaseException | None = None
+
+    # ----------------------------------------------------------------- API (any thread)
+
+    def start(self) -> None:
+        self.started = True
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        with self._wake:
+            self._wake.notify_all()
+        if self.started:
+            self._thread.join(timeout)
+        self.publisher.pump()
+        self.publisher.sink.flush(5)
+
+    def submit(self, req: GenerationRequest, loop: asyncio.AbstractEventLoop) -> RequestHandle:
+        handle = RequestHandle(req.request_id, loop)
+        with self._wake:
+            self._waiting.append((req, handle))
+            self._wake.notify()
+        return handle
+
+    def cancel(self, request_id: str) -> None:
+        with self._wake:
+            self._cancelled.add(request_id)
+            self._wake.notify()
+
+    def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Run ``fn`` on the engine thread between steps (for reads of the core)."""
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        with self._wake:
+            self._calls.append((fn, fut))
+            self._wake.notify()
+        return fut
+
+    @property
+    def queue_depth(self) -> tuple[int, int]:
+        return len(self._running), len(self._waiting)
+
+    # ----------------------------------------------------------------- the loop
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._serve_calls()
+                self._handle_cancels()
+                admitted = self._admit()
+                if self._running:
+                    self._decode_step()
+                self._housekeeping()
+                if not self._running and not admitted:
+                    with self._wake:
+                        if not (self._waiting or self._calls or self._cancelled or self._stop.is_set()):
+                            self._wake.wait(timeout=0.05)
+        except BaseException as exc:  # the node is broken: say so on every open request
+            log.exception("engine crashed")
+            self.fatal = exc
+            for r in list(self._running.values()):
+                r.handle.put(Output(None, True, "error", error=f"engine crashed: {exc}"))
+            while self._waiting:
+                _, h = self._waiting.popleft()
+                h.put(Output(None, True, "error", error=f"engine crashed: {exc}"))
+            raise
+        finally:
+            self._serve_calls()
+
+    def _serve_calls(self) -> None:
+        while self._calls:
+            fn, fut = self._calls.popleft()
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as exc:
+                    fut.set_exception(exc)
+
+    def _handle_cancels(self) -> None:
+        if not self._cancelled:
+            return
+        with self._wake:
+            cancelled, self._cancelled = self._cancelled, set()
+            self._waiting = collections.deque((r, h) for r, h in self._waiting if r.request_id not in cancelled)
+        for rid in cancelled:
+            run = self._running.pop(rid, None)
+            if run is not None:
+                self.core.free(rid)
+                run.handle.put(Output(None, True, "cancelled", run.prompt_len, run.cached_tokens, run.generated))
+
+    def _housekeeping(self) -> None:
+        if self.control is not None and self.control.take_resync():
+            self.core.request_snapshot()
+        self.core.tick()
+        self.publisher.pump()
+        now = time.monotonic()
+        if now - self._last_heartbeat >= self.heartbeat_s:
+            self._last_heartbeat = now
+            self.publisher.sink.send_stats(self.node_stats())
+
+    # ----------------------------------------------------------------- prefill
+
+    def _admit(self) -> bool:
+        admitted = False
+        while self._waiting and len(self._running) < self.max_running:
+            with self._wake:
+                req, handle = self._waiting[0]
+            try:
+                ok = self._prefill(req, handle)
+            except OutOfBlocks:
+                if not self._running:  # nothing will free blocks: this prompt cannot fit now
+                    with self._wake:
+                        self._waiting.popleft()
+                    self.stats.rejected += 1
+                    handle.put(Output(None, True, "error", error="the KV cache cannot hold this prompt right now"))
+                    continue
+                return admitted  # wait for running requests to finish and free blocks
+            with self._wake:
+                self._waiting.popleft()
+            admitted = admitted or ok
+            break  # one prefill per iteration keeps decode latency bounded
+        return admitted
+
+    def _prefill(self, req: GenerationRequest, handle: RequestHandle) -> bool:
+        prompt = Prompt.from_tokens(req.prompt_ids, self.block_size, lora_id=req.lora_id, cache_salt=req.cache_salt)
+        alloc = self.core.allocate(req.request_id, prompt, req.retention)
+        self.stats.requests += 1
+        self._copy(alloc.copies)
+        n = len(req.prompt_ids)
+        # At least the last prompt token is computed: its logits give the first output token.
+        start = min(alloc.num_cached_tokens, n - 1)
+        t0 = time.perf_counter()
+        logits = self.model([SeqBatchItem(req.prompt_ids[start:], start, alloc.block_table)], self.gpu_pool)[0]
+        self.stats.prefill_seconds += time.perf_counter() - t0
+        self.stats.prefill_tokens_computed += n - start
+        gen = torch.Generator().manual_seed(req.seed) if req.seed is not None and req.temperature > 0 else None
+        token = self._sample(logits, req.temperature, gen)
+        run = _Running(req, handle, n, start, gen, token)
+        self._running[req.request_id] = run
+        self._emit(run, token)
+        return True
+
+    # ----------------------------------------------------------------- decode
+
+    def _decode_step(self) -> None:
+        batch: list[SeqBatchItem] = []
+        runs: list[_Running] = []
+        for run in list(self._running.values()):
+            rid = run.req.request_id
+            pos = self.core.num_tokens(rid)
+            try:
+                _, copies = self.core.append_token(rid, run.last_token)
+            except OutOfBlocks:
+                self.stats.preempted += 1
+                log.warning("request %s stopped: no KV block for its next token", rid)
+                self._finish(run, "length")
+                continue
+            self._copy(copies)
+            batch.append(SeqBatchItem([run.last_token], pos, self.core.block_table(rid)))
+            runs.append(run)
+        if not batch:
+            return
+        t0 = time.perf_counter()
+        logits = self.model(batch, self.gpu_pool)
+        self.stats.decode_seconds += time.perf_counter() - t0
+        self.stats.decode_steps += 1
+        for run, lg in zip(runs, logits, strict=True):
+            token = self._sample(lg, run.req.temperature, run.generator)
+            run.last_token = token
+            run.generated += 1
+            self._emit(run, token)
+
+    def _emit(self, run: _Running, token: int) -> None:
+        self.stats.generated_tokens += 1
+        req = run.req
+        eos = self.tokenizer.eos_token_id
+        done = run.generated >= req.max_tokens or (not req.ignore_eos and eos is not None and token == eos)
+        if done:
+            reason = "length" if run.generated >= req.max_tokens and token != eos else "stop"
+            run.handle.put(Output(token))
+            self._finish(run, reason)
+        else:
+            run.handle.put(Output(token))
+
+    def _finish(self, run: _Running, reason: str) -> None:
+        rid = run.req.request_id
+        self._running.pop(rid, None)
+        self.core.free(rid)
+        self.stats.finished += 1
+        run.handle.put(Output(None, True, reason, run.prompt_len, run.cached_tokens, run.generated))
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, temperature: float, gen: torch.Generator | None) -> int:
+        if temperature <= 0:
+            return int(torch.argmax(logits).item())
+        probs = torch.softmax(logits.float() / temperature, dim=-1).cpu()
+        return int(torch.multinomial(probs, 1, generator=gen).item())
+
+    def _copy(self, copies: list[BlockCopy]) -> None:
+        for c in copies:
+            self.stats.copies += 1
+            src = self.gpu_pool if c.src_level == GPU else self.host_pool
+            dst = self.gpu_pool if c.dst_level == GPU else self.host_pool
+            assert src is not None and dst is not None, "a host copy without a host pool"
+            copy_block(src, c.src_slot, dst, c.dst_slot)
+
+    # ----------------------------------------------------------------- state
+
+    def node_stats(self) -> NodeStats:
+        st = self.core.stats
+        used = self.core.used_blocks
+        running, waiting = len(self._running), len(self._waiting)
+        return NodeStats(
+            schema_version=1, node_id=self.node_id, instance_id=self.instance_id, url=self.url,
+            model=self.model_name, block_size=self.block_size, ts=time.time(),
+            capacity=[self.core.config.num_gpu_blocks, self.core.config.num_host_blocks], used=list(used),
+            active_requests=running, queued_requests=waiting, last_event_id=self.core.last_event_id,
+            counters=NodeCounters(
+                prompt_tokens=st.prompt_tokens, cached_tokens=st.cached_tokens, hits=st.hit_blocks,
+                misses=st.miss_blocks, requests=st.requests,
+                evictions_by_priority={str(k): v for k, v in sorted(st.evictions_by_priority.items())},
+                offloads_by_priority={str(k): v for k, v in sorted(st.offloads_by_priority.items())},
+                events_published=self.publisher.events_sent, events_overflowed=st.events_overflowed),
+        )

@@ -1,0 +1,335 @@
+"""A Llama-family decoder whose keys and values live in a paged block pool.
+
+RMSNorm, rotary embeddings (Hugging Face's ``rotate_half`` convention), SwiGLU, grouped-query
+attention. The cache is a :class:`KVPool`: for every layer a tensor of ``num_blocks`` blocks of
+``block_size`` token slots. A sequence's tokens live in the blocks of its *block table* (given by
+the KV core): token ``p`` is at slot ``block_table[p // block_size] * block_size + p % block_size``.
+
+:meth:`LlamaModel.forward` runs a *ragged batch*: several sequences, each with some new tokens
+at some start position (a prefill's uncached suffix, or one decode token). Projections and MLPs
+run on all new tokens together; attention runs per sequence over its keys gathered from the
+pool, so a prefill whose prefix is cached computes only its new tokens.
+
+Weights: seeded random by default (nothing is ever downloaded), or a local Hugging Face folder
+(``config.json`` + ``*.safetensors``) with the standard Llama parameter names.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 320
+    hidden_size: int = 128
+    intermediate_size: int = 352
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 4096
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    name: str = "kvflow-tiny-llama"
+    extra: dict[str, object] = field(default_factory=dict, compare=False)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError("hidden_size must be a multiple of num_attention_heads")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    @classmethod
+    def from_hf(cls, data: dict[str, Any], name: str) -> ModelConfig:
+        """From a Hugging Face ``config.json`` (LlamaConfig keys)."""
+        arch = data.get("architectures") or []
+        if arch and not any("Llama" in str(a) or "Mistral" in str(a) for a in arch):
+            raise ValueError(f"unsupported architecture {arch}: a Llama-family model is required")
+        heads = int(data["num_attention_heads"])
+        return cls(
+            vocab_size=int(data["vocab_size"]),
+            hidden_size=int(data["hidden_size"]),
+            intermediate_size=int(data["intermediate_size"]),
+            num_hidden_layers=int(data["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(data.get("num_key_value_heads") or heads),
+            max_position_embeddings=int(data.get("max_position_embeddings") or 4096),
+            rope_theta=float(data.get("rope_theta") or 10000.0),
+            rms_norm_eps=float(data.get("rms_norm_eps") or 1e-5),
+            tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
+            name=name,
+        )
+
+    def to_hf(self) -> dict[str, object]:
+        d = asdict(self)
+        d.pop("extra")
+        d.pop("name")
+        d.update({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+                  "torch_dtype": "float32"})
+        return d
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        out: Tensor = self.weight * x32.to(dtype)
+        return out
+
+
+def rope_tables(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32)
+                                / head_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: [T, heads, D]; cos/sin: [T, D]."""
+    c, s = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+    return x * c + _rotate_half(x) * s
+
+
+class KVPool:
+    """Per-layer key and value blocks, ``[num_blocks, block_size, kv_heads, head_dim]`` each."""
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, device: torch.device,
+                 dtype: torch.dtype, pin_memory: bool = False) -> None:
+        shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype, pin_memory=pin_memory)
+        self.v = torch.zeros(shape, device=device, dtype=dtype, pin_memory=pin_memory)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+
+    def nbytes(self) -> int:
+        return int(self.k.numel() * self.k.element_size() * 2)
+
+
+def copy_block(src: KVPool, src_block: int, dst: KVPool, dst_block: int) -> None:
+    """Copy one block (all layers) between pools, e.g. GPU → host on offload."""
+    dst.k[:, dst_block].copy_(src.k[:, src_block], non_blocking=True)
+    dst.v[:, dst_block].copy_(src.v[:, src_block], non_blocking=True)
+
+
+@dataclass
+class SeqBatchItem:
+    """One sequence of a ragged batch: new tokens from ``start`` on, in the given blocks."""
+
+    token_ids: Sequence[int]
+    start: int
+    block_table: Sequence[int]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h, kvh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, kvh * d, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, kvh * d, bias=False)
+        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, pool: KVPool,
+                slots: Tensor, seqs: list[tuple[int, int, Tensor]]) -> Tensor:
+        """x: [T, hidden] for all new tokens; slots: [T] flat pool slots of the new tokens;
+        seqs: per sequence (offset in x, number of new tokens, flat slots of all its tokens)."""
+        cfg = self.cfg
+        t = x.shape[0]
+        h, kvh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q = apply_rope(self.q_proj(x).view(t, h, d), cos, sin)
+        k = apply_rope(self.k_proj(x).view(t, kvh, d), cos, sin)
+        v = self.v_proj(x).view(t, kvh, d)
+        kflat = pool.k[layer].view(-1, kvh, d)
+        vflat = pool.v[layer].view(-1, kvh, d)
+        kflat[slots] = k.to(kflat.dtype)
+        vflat[slots] = v.to(vflat.dtype)
+        out = torch.empty(t, h, d, device=x.device, dtype=x.dtype)
+        group = h // kvh
+        for offset, n_new, all_slots in seqs:
+            keys = kflat[all_slots].to(x.dtype)  # [S, kvh, d]
+            vals = vflat[all_slots].to(x.dtype)
+            s = keys.shape[0]
+            qs = q[offset:offset + n_new].transpose(0, 1)  # [h, n, d]
+            ks = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [h, S, d]
+            vs = vals.repeat_interleave(group, dim=1).transpose(0, 1)
+            if n_new == 1:
+                o = F.scaled_dot_product_attention(qs, ks, vs)
+            else:
+                # Query i sits at position s - n_new + i and sees keys up to it.
+                qpos = torch.arange(s - n_new, s, device=x.device)[:, None]
+                mask = torch.arange(s, device=x.device)[None, :] <= qpos
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)
+            out[offset:offset + n_new] = o.transpose(0, 1)
+        projected: Tensor = self.o_proj(out.reshape(t, h * d))
+        return projected
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+
+class LlamaModel(nn.Module):
+    """Llama for causal LM over a paged KV pool (parameter names as in Hugging Face)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @classmethod
+    def random(cls, cfg: ModelConfig, seed: int = 0) -> LlamaModel:
+        """Seeded random weights (std 0.02, as Llama initializes)."""
+        gen = torch.Generator().manual_seed(seed)
+        model = cls(cfg)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("layernorm.weight") or name == "norm.weight":
+                    p.fill_(1.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+        return model.eval()
+
+    @torch.no_grad()
+    def forward(self, batch: list[SeqBatchItem], pool: KVPool, all_logits: bool = False) -> list[Tensor]:
+        """Run the new tokens of each sequence; return each sequence's logits for its last token
+        (``[vocab]``), or for all its new tokens (``[n, vocab]``) with ``all_logits``."""
+        device = self.embed_tokens.weight.device
+        bs = pool.block_size
+        tokens: list[int] = []
+        positions: list[int] = []
+        new_slots: list[int] = []
+        seqs: list[tuple[int, int, Tensor]] = []
+        for item in batch:
+            n = len(item.token_ids)
+            end = item.start + n
+            table = torch.as_tensor(item.block_table, dtype=torch.long)
+            pos = torch.arange(end)
+            all_slots = (table[pos // bs] * bs + pos % bs).to(device)
+            seqs.append((len(tokens), n, all_slots))
+            tokens.extend(item.token_ids)
+            positions.extend(range(item.start, end))
+            new_slots.extend(all_slots[item.start:].tolist())
+        ids = torch.as_tensor(tokens, dtype=torch.long, device=device)
+        x = self.embed_tokens(ids)
+        cos, sin = rope_tables(torch.as_tensor(positions, device=device), self.cfg.head_dim, self.cfg.rope_theta)
+        slots = torch.as_tensor(new_slots, dtype=torch.long, device=device)
+        for i, module in enumerate(self.layers):
+            layer = cast(DecoderLayer, module)
+            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, i, pool, slots, seqs)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        out = []
+        for offset, n, _ in seqs:
+            rows = x[offset:offset + n] if all_logits else x[offset + n - 1:offset + n]
+            logits = self.lm_head(self.norm(rows)).float()
+            out.append(logits if all_logits else logits[0])
+        return out
+
+    # ----------------------------------------------------------------- Hugging Face format
+
+    def save_hf(self, folder: str | Path) -> None:
+        """Write ``config.json`` and ``model.safetensors`` as Hugging Face's LlamaForCausalLM."""
+        from safetensors.torch import save_file
+
+        path = Path(folder)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.json").write_text(json.dumps(self.cfg.to_hf(), indent=2))
+        tensors = {_to_hf_name(k): v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        if self.cfg.tie_word_embeddings:
+            tensors.pop("lm_head.weight", None)
+        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+    @classmethod
+    def load_hf(cls, folder: str | Path) -> LlamaModel:
+        """Load Llama-architecture weights from a local Hugging Face folder (never downloads)."""
+        from safetensors.torch import load_file
+
+        path = Path(folder)
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise FileNotFoundError(f"{cfg_file} not found: --model-dir must be a Hugging Face model folder")
+        cfg = ModelConfig.from_hf(json.loads(cfg_file.read_text()), name=path.name)
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors in {path}")
+        state: dict[str, Tensor] = {}
+        for f in files:
+            state.update(load_file(str(f)))
+        model = cls(cfg)
+        mapped = {_from_hf_name(k): v for k, v in state.items()}
+        if cfg.tie_word_embeddings and "lm_head.weight" not in mapped:
+            mapped["lm_head.weight"] = mapped["embed_tokens.weight"]
+        missing, unexpected = model.load_state_dict(mapped, strict=False)
+        unexpected = [u for u in unexpected if "rotary_emb" not in u]
+        if missing or unexpected:
+            raise ValueError(f"weights do not match a Llama model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        return model.eval()
+
+
+def _to_hf_name(name: str) -> str:
+    return name if name.startswith("lm_head") else f"model.{name}"
+
+
+def _from_hf_name(name: str) -> str:
+    return name[len("model."):] if name.startswith("model.") else name
+
+
+def param_count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def flops_per_token(cfg: ModelConfig) -> float:
+    """Rough forward FLOPs per token (2 × parameters in the matmuls)."""
+    per_layer = (cfg.hidden_size * cfg.head_dim * (cfg.num_attention_heads * 2 + cfg.num_key_value_heads * 2)
+                 + 3 * cfg.hidden_size * cfg.intermediate_size)
+    return 2.0 * (per_layer * cfg.num_hidden_layers + cfg.hidden_size * cfg.vocab_size)
+
+
+__all__ = ["KVPool", "LlamaModel", "ModelConfig", "SeqBatchItem", "copy_block", "flops_per_token"]

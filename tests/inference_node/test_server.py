@@ -1,0 +1,108 @@
+"""The node's HTTP API in-process: completions, streaming, ground truth, and clear 4xx errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+from pydantic import SecretStr
+
+from eventbus.replay import NodeState
+from inference_node.server import create_app
+
+from .conftest import make_node
+
+
+@pytest.fixture
+def client():
+    node = make_node()
+    with TestClient(create_app(node)) as c:
+        c.node = node  # type: ignore[attr-defined]
+        yield c
+    node.close()
+
+
+def test_completion_reports_cached_tokens_and_names_the_node(client):
+    body = {"prompt": "kvflow " * 10, "max_tokens": 4,
+            "kv_retention": {"token_ranges": [{"start": 0, "end": 32, "priority": 100}]}}
+    first = client.post("/v1/completions", json=body).json()
+    second = client.post("/v1/completions", json={"prompt": "kvflow " * 10, "max_tokens": 4}).json()
+    assert first["usage"]["prompt_tokens"] == 70 and first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
+    assert second["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+    assert first["object"] == "text_completion" and first["kvflow"]["node_id"] == "node-a"
+
+
+def test_streaming_sends_one_event_per_token_then_usage_then_done(client):
+    with client.stream("POST", "/v1/completions", json={"prompt": [1, 2, 3, 4], "max_tokens": 3, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
+    assert [len(c["choices"][0].get("token_ids", [])) for c in chunks] == [1, 1, 1, 0]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == 3
+
+
+def test_kv_state_is_the_ground_truth_the_events_describe(client):
+    for i in range(5):
+        client.post("/v1/completions", json={"prompt": [i] * 40 + list(range(40)), "max_tokens": 2})
+    state = client.get("/v1/kv/state").json()
+    sink = client.node.sink  # type: ignore[attr-defined]
+    client.node.engine.call(client.node.engine.publisher.pump).result(5)  # type: ignore[attr-defined]
+    replayed = NodeState().apply_all(e for b in sink.batches for e in b.events)
+    assert state["last_event_id"] == replayed.last_event_id
+    assert {b["block_hash"]: (b["parent_hash"], b["cache_level"], b["priority"]) for b in state["blocks"]} == {
+        h: (s.parent_hash, s.cache_level, s.priority) for h, s in replayed.blocks.items()}
+    stats = client.get("/v1/kv/stats").json()
+    assert stats["kv"]["requests"] == 5 and stats["blocks"]["gpu_capacity"] == 64
+    assert client.get("/healthz").json()["status"] == "ok"
+    assert "kvflow_node_requests_total" in client.get("/metrics").text
+
+
+@pytest.mark.parametrize(("body", "status", "fragment"), [
+    ({"prompt": "x", "max_tokens": 2, "kv_retention": {"token_ranges": [
+        {"start": 0, "end": 10, "priority": 50}, {"start": 5, "end": None, "priority": 9}]}}, 400, "overlap"),
+    ({"prompt": "x", "kv_retention": {"token_ranges": [{"start": 0, "priority": 101}]}}, 400,
+     "priority 101 is outside 0..100"),
+    ({"prompt": "x", "kv_retention": {"token_ranges": [{"start": 0, "priority": 50, "duration_s": -1}]}}, 400,
+     "duration_s must be finite and >= 0"),
+    ({"prompt": "x", "max_tokens": "many"}, 422, "max_tokens: Input should be a valid integer"),
+    ({"prompt": "x", "surprise": True}, 422, "surprise: Extra inputs are not permitted"),
+    ({"prompt": ""}, 400, "the prompt is empty"),
+    ({"prompt": [1, 2, 99999]}, 400, "prompt token ids must be within"),
+    ({"prompt": "x" * 4100, "max_tokens": 8}, 400, "exceeds the context length of 4096"),
+    ({"prompt": "x" * 1500, "max_tokens": 8}, 400, "needs 95 KV blocks; the node has 64"),
+    ({"prompt": "x", "model": "gpt-5"}, 404, "is not served here"),
+    ({"max_tokens": 2}, 422, "prompt: Field required"),
+])
+def test_invalid_requests_get_a_4xx_that_says_why_and_the_node_keeps_serving(client, body, status, fragment):
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == status, r.text
+    assert fragment in r.json()["error"]["message"]
+    assert client.post("/v1/completions", json={"prompt": "still here", "max_tokens": 1}).status_code == 200
+
+
+def test_wrong_content_type_and_oversized_bodies_are_refused(client):
+    r = client.post("/v1/completions", content=b"prompt=x", headers={"content-type": "text/plain"})
+    assert r.status_code == 422
+    r = client.post("/v1/completions", content=b"{" + b" " * (5 * 1024 * 1024) + b"}",
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 413
+
+
+def test_api_keys_when_configured():
+    node = make_node(api_keys=SecretStr("k1,k2"))
+    try:
+        with TestClient(create_app(node)) as c:
+            assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 401
+            bad = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1},
+                         headers={"authorization": "Bearer nope"})
+            assert bad.status_code == 401
+            ok = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1},
+                        headers={"authorization": "Bearer k2"})
+            assert ok.status_code == 200
+            assert c.get("/healthz").status_code == 200  # health stays open for probes
+    finally:
+        node.close()
