@@ -316,6 +316,24 @@ def node_cmd(
     guarded("node", run)
 
 
+@bench_app.command("node")
+def bench_node_cmd(json_path: JsonOpt = None, quick: QuickOpt = False,
+                   device: Annotated[str, typer.Option(help="cpu, cuda or auto.")] = "auto") -> None:
+    """Prefill of a long prompt 90% cached vs cold, prefill and decode tokens/s."""
+    from kvflow.bench.node import bench_node
+
+    def run() -> None:
+        kw: dict[str, Any] = {"preset": "tiny", "prompt_tokens": 512, "repeats": 2, "decode_steps": 8} \
+            if quick else {}
+        result = bench_node(device=device, say=lambda m: console.print(f"[dim]{m}[/]"), **kw)
+        result.print(console)
+        if json_path:
+            result.write_json(json_path)
+            console.print(f"wrote {json_path}")
+
+    guarded("bench node", run)
+
+
 def main() -> None:
     try:
         app()
