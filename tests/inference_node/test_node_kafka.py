@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import httpx
@@ -116,7 +117,7 @@ def test_heartbeats_arrive_on_node_stats(kafka_settings, tmp_path):
         assert len(beats) >= 3
         assert all(b.node_id == "node-hb" and b.url == url and b.block_size == 32 for b in beats)
         assert beats[-1].capacity == [8, 0] and beats[-1].counters.prompt_tokens == 40
-        gaps = [b2.ts - b1.ts for b1, b2 in zip(beats, beats[1:], strict=False)]
+        gaps = [b2.ts - b1.ts for b1, b2 in itertools.pairwise(beats)]
         assert max(gaps) <= 2.0
     finally:
         consumer.close()
