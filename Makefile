@@ -7,7 +7,7 @@ STAMP := $(VENV)/.kvflow-installed
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo test test-unit lint up down status bench sim clean
+.PHONY: help install demo test test-unit lint up down status bench sim clean browser
 
 help: ## List the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "} {printf "  \033[36m%-10s\033[0m %s\n", $$1, $$2}'
@@ -23,13 +23,19 @@ install: $(STAMP) ## Create .venv and install kvflow with its test extras
 demo: $(STAMP) ## The main job: stack, materializer, router, two nodes, a workload, a summary
 	$(BIN)/kvflow demo
 
-test: $(STAMP) ## The whole suite (unit + integration) against a real local stack, then stop it
+test: $(STAMP) browser ## The whole suite (unit + integration) against a real local stack, then stop it
 	@was_up=0; $(BIN)/kvflow stack status --check >/dev/null 2>&1 && was_up=1; \
 	$(BIN)/kvflow stack up && $(BIN)/kvflow db upgrade \
 	  && KVFLOW_REQUIRE_SERVICES=1 $(BIN)/pytest $(PYTEST_ARGS); \
 	status=$$?; \
 	if [ $$was_up -eq 0 ]; then $(BIN)/kvflow stack down || status=1; fi; \
 	exit $$status
+
+browser: ## Debian's chromium, for the dashboard's browser test (installed once, needs root)
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null \
+	    || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; }; \
+	  else echo "chromium is missing: sudo apt-get install chromium"; exit 1; fi; }
 
 test-unit: $(STAMP) ## Only the tests that need no services
 	$(BIN)/pytest -m "unit" $(PYTEST_ARGS)

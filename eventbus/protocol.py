@@ -204,6 +204,7 @@ class NodeStats(_Strict):
     active_requests: NonNegInt
     queued_requests: NonNegInt
     last_event_id: Annotated[int, Meta(ge=-1, description="-1 before the first event")]
+    active_blocks: Annotated[int, Meta(ge=0, description="GPU blocks held by running requests")] = 0
     counters: NodeCounters = msgspec.field(default_factory=NodeCounters)
 
 

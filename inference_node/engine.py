@@ -363,6 +363,7 @@ class Engine:
             model=self.model_name, block_size=self.block_size, ts=time.time(),
             capacity=[self.core.config.num_gpu_blocks, self.core.config.num_host_blocks], used=list(used),
             active_requests=running, queued_requests=waiting, last_event_id=self.core.last_event_id,
+            active_blocks=used[0] - self.core.evictable_blocks[0],
             counters=NodeCounters(
                 prompt_tokens=st.prompt_tokens, cached_tokens=st.cached_tokens, hits=st.hit_blocks,
                 misses=st.miss_blocks, requests=st.requests,

@@ -27,47 +27,13 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
+from eventbus.api import CompletionRequest
 from inference_node.engine import Engine, GenerationRequest, Output
 from inference_node.kv.retention import KvCacheRetentionConfig, RetentionConfigError, TokenRange
 from inference_node.node import Node
 
 log = logging.getLogger("kvflow.node.server")
-
-
-class TokenRangeIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    start: StrictInt = Field(ge=0, description="First token of the range.")
-    end: StrictInt | None = Field(default=None, description="One past the last token; null: end of prompt.")
-    priority: StrictInt = Field(description="0 (evicted first) to 100.")
-    duration_s: float | None = Field(default=None, description="Seconds at this priority once evictable.")
-
-
-class RetentionIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    token_ranges: list[TokenRangeIn] = Field(default_factory=list, max_length=1024)
-    decode_priority: StrictInt = 35
-    decode_duration_s: float | None = None
-
-
-class CompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    model: str | None = Field(default=None, max_length=256, description="Ignored beyond a check: a node serves one.")
-    prompt: str | list[StrictInt] = Field(description="Text, or token ids.")
-    max_tokens: StrictInt = Field(default=16, ge=1, le=8192)
-    temperature: float = Field(default=0.0, ge=0.0, le=2.0)
-    seed: StrictInt | None = None
-    stream: StrictBool = False
-    kv_retention: RetentionIn | None = None
-    lora_id: StrictInt | None = Field(default=None, ge=0, le=(1 << 63) - 1)
-    cache_salt: str | None = Field(default=None, max_length=256)
-    ignore_eos: StrictBool = False
-    n: StrictInt = Field(default=1, ge=1, le=1, description="Only 1 is supported.")
-    user: str | None = Field(default=None, max_length=256)
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:

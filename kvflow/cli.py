@@ -334,6 +334,36 @@ def bench_node_cmd(json_path: JsonOpt = None, quick: QuickOpt = False,
     guarded("bench node", run)
 
 
+@app.command("router")
+def router_cmd(
+    host: Annotated[str | None, typer.Option(help="Bind address (default 127.0.0.1).")] = None,
+    port: Annotated[int | None, typer.Option(help="HTTP port (default 8000).")] = None,
+    log_level: Annotated[str, typer.Option(help="Log level.")] = "info",
+) -> None:
+    """Run the routing API: KV-aware decisions over PostgreSQL, a proxy to the nodes, a dashboard."""
+    import logging
+
+    import uvicorn
+
+    from routing_api.app import create_app
+    from routing_api.config import RouterSettings
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def run() -> None:
+        overrides: dict[str, Any] = {k: v for k, v in {"host": host, "port": port}.items() if v is not None}
+        try:
+            settings = RouterSettings(**overrides)
+            app_ = create_app(settings)
+        except ValueError as exc:
+            raise StackError(str(exc)) from exc
+        console.print(f"router listening on http://{settings.host}:{settings.port} "
+                      f"(dashboard: http://{settings.host}:{settings.port}/dashboard)", highlight=False)
+        uvicorn.run(app_, host=settings.host, port=settings.port, log_level=log_level.lower(), access_log=False)
+
+    guarded("router", run)
+
+
 def main() -> None:
     try:
         app()

@@ -406,18 +406,19 @@ class EventsPipeline:
 STATS_UPSERT = """
 INSERT INTO nodes AS n (node_id, instance_id, url, model, block_size, capacity_gpu, capacity_host, used_gpu,
                         used_host, active_requests, queued_requests, reported_event_id, counters, last_seen,
-                        last_stats_at, status)
+                        last_stats_at, status, active_blocks)
 SELECT u.node_id, u.instance_id, u.url, u.model, u.block_size, u.cap_gpu, u.cap_host, u.used_gpu, u.used_host,
-       u.active, u.queued, u.last_event_id, u.counters::jsonb, now(), now(), 'live'
+       u.active, u.queued, u.last_event_id, u.counters::jsonb, now(), now(), 'live', u.active_blocks
 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int[], $6::int[], $7::int[], $8::int[], $9::int[],
-            $10::int[], $11::int[], $12::bigint[], $13::text[])
+            $10::int[], $11::int[], $12::bigint[], $13::text[], $14::int[])
      AS u(node_id, instance_id, url, model, block_size, cap_gpu, cap_host, used_gpu, used_host, active, queued,
-          last_event_id, counters)
+          last_event_id, counters, active_blocks)
 ON CONFLICT (node_id) DO UPDATE SET
   url = EXCLUDED.url, model = EXCLUDED.model, block_size = EXCLUDED.block_size,
   capacity_gpu = EXCLUDED.capacity_gpu, capacity_host = EXCLUDED.capacity_host,
   used_gpu = EXCLUDED.used_gpu, used_host = EXCLUDED.used_host,
   active_requests = EXCLUDED.active_requests, queued_requests = EXCLUDED.queued_requests,
+  active_blocks = EXCLUDED.active_blocks,
   reported_event_id = EXCLUDED.reported_event_id, counters = EXCLUDED.counters,
   last_seen = now(), last_stats_at = now(), updated_at = now(),
   -- A heartbeat brings a stale node back; a gone node's blocks were cleared, so it stays gone
@@ -450,7 +451,7 @@ async def apply_stats(conn: Any, *, stats: Sequence[NodeStats]) -> None:
             [s.model for s in rows], [s.block_size for s in rows], [s.capacity[0] for s in rows],
             [s.capacity[1] for s in rows], [s.used[0] for s in rows], [s.used[1] for s in rows],
             [s.active_requests for s in rows], [s.queued_requests for s in rows], [s.last_event_id for s in rows],
-            [msgspec.json.encode(s.counters).decode() for s in rows])
+            [msgspec.json.encode(s.counters).decode() for s in rows], [s.active_blocks for s in rows])
         await conn.execute(
             STATS_SAMPLES, [s.node_id for s in stats], [s.instance_id for s in stats],
             [datetime.fromtimestamp(s.ts, tz=UTC) for s in stats], [s.capacity[0] for s in stats],

@@ -41,6 +41,7 @@ class Node(Base):
     used_host: Mapped[int] = mapped_column(Integer, server_default=text("0"))
     active_requests: Mapped[int] = mapped_column(Integer, server_default=text("0"))
     queued_requests: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    active_blocks: Mapped[int] = mapped_column(Integer, server_default=text("0"))
     reported_event_id: Mapped[int | None] = mapped_column(BigInteger)
     counters: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
     first_seen: Mapped[datetime] = mapped_column(TZ, server_default=text("now()"))

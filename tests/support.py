@@ -209,6 +209,16 @@ def applied_through(url: str, node: CoreNode) -> bool:
             and row["last_event_id"] == node.core.last_event_id and row["status"] == "live")
 
 
+def applied_through_id(url: str, node_id: str, min_blocks: int = 0) -> bool:
+    """The node is live in PostgreSQL, has applied what its heartbeat says it emitted, and holds
+    at least ``min_blocks`` blocks."""
+    row = node_row(url, node_id)
+    if row is None or row["status"] != "live" or row["reported_event_id"] is None:
+        return False
+    blocks = fetch(url, "SELECT count(*) AS c FROM node_blocks WHERE node_id = $1", node_id)[0]["c"]
+    return row["last_event_id"] >= row["reported_event_id"] and blocks >= min_blocks
+
+
 def history_duplicates(url: str, node_id: str) -> int:
     return fetch(url, """SELECT count(*) - count(DISTINCT (instance_id, event_id, seq)) AS d
                          FROM block_events WHERE node_id = $1""", node_id)[0]["d"]

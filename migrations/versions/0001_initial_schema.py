@@ -42,6 +42,7 @@ CREATE TABLE nodes (
     used_host           integer NOT NULL DEFAULT 0,
     active_requests     integer NOT NULL DEFAULT 0,
     queued_requests     integer NOT NULL DEFAULT 0,
+    active_blocks       integer NOT NULL DEFAULT 0,
     reported_event_id   bigint,
     counters            jsonb NOT NULL DEFAULT '{}'::jsonb,
     first_seen          timestamptz NOT NULL DEFAULT now(),

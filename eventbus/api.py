@@ -1,0 +1,56 @@
+"""The HTTP completion contract shared by nodes and the router (pydantic; no torch).
+
+``POST /v1/completions`` accepts this body on a node and on the router alike: an OpenAI-style
+subset plus kvflow's ``kv_retention``, ``lora_id`` and ``cache_salt``. Unknown fields and wrong
+types are refused (422) with a message naming the field.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+
+
+class TokenRangeIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    start: StrictInt = Field(ge=0, description="First token of the range.")
+    end: StrictInt | None = Field(default=None, description="One past the last token; null: end of prompt.")
+    priority: StrictInt = Field(description="0 (evicted first) to 100.")
+    duration_s: float | None = Field(default=None, description="Seconds at this priority once evictable.")
+
+
+class RetentionIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    token_ranges: list[TokenRangeIn] = Field(default_factory=list, max_length=1024)
+    decode_priority: StrictInt = 35
+    decode_duration_s: float | None = None
+
+
+class CompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(default=None, max_length=256, description="Ignored beyond a check: a node serves one.")
+    prompt: str | list[StrictInt] = Field(description="Text, or token ids.")
+    max_tokens: StrictInt = Field(default=16, ge=1, le=8192)
+    temperature: float = Field(default=0.0, ge=0.0, le=2.0)
+    seed: StrictInt | None = None
+    stream: StrictBool = False
+    kv_retention: RetentionIn | None = None
+    lora_id: StrictInt | None = Field(default=None, ge=0, le=(1 << 63) - 1)
+    cache_salt: str | None = Field(default=None, max_length=256)
+    ignore_eos: StrictBool = False
+    n: StrictInt = Field(default=1, ge=1, le=1, description="Only 1 is supported.")
+    user: str | None = Field(default=None, max_length=256)
+
+
+class RouteRequest(BaseModel):
+    """``POST /v1/route``: a prompt as text or token ids."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str | None = Field(default=None, description="Text (tokenized as the nodes do).")
+    token_ids: list[StrictInt] | None = Field(default=None, max_length=1_000_000, description="Or token ids.")
+    lora_id: StrictInt | None = Field(default=None, ge=0, le=(1 << 63) - 1)
+    model: str | None = Field(default=None, max_length=256)
+    cache_salt: str | None = Field(default=None, max_length=256)

@@ -1,0 +1,363 @@
+"""The routing API (FastAPI): decide, explain, proxy; nodes and stats; a live dashboard.
+
+Routes only parse, query and format: the decision is :func:`routing_api.scoring.decide`.
+
+* ``POST /v1/route`` — the chosen node, its URL, the matched blocks and tokens, and every
+  candidate with the parts of its score.
+* ``POST /v1/completions`` — route, then proxy to the chosen node (streaming passes through); the
+  response names the node in ``x-kvflow-node``. A node that fails is reported as an upstream
+  error (502, or an error event mid-stream) and avoided for ``suspect_s``.
+* ``GET /v1/nodes``, ``/v1/nodes/{node_id}``, ``/v1/stats``, ``/healthz``, ``/metrics``,
+  ``/dashboard`` (and its data, ``/v1/dashboard/data``); OpenAPI docs at ``/docs``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import random
+import secrets
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from eventbus.api import CompletionRequest, RouteRequest
+from eventbus.config import Environment, RuntimeSettings
+from eventbus.hashing import prompt_block_hashes
+from eventbus.protocol import to_sql
+from eventbus.tokenizers import Tokenizer, load_tokenizer
+from routing_api.config import ApiKey, RouterSettings, parse_api_keys
+from routing_api.queries import StateReader
+from routing_api.scoring import Decision, NodeView, RoutingWeights, decide
+from state_store.config import DatabaseSettings
+
+log = logging.getLogger("kvflow.router")
+STATIC = Path(__file__).resolve().parent / "static"
+
+
+@dataclass
+class Inflight:
+    requests: int = 0
+    blocks: int = 0
+
+
+@dataclass
+class RouterState:
+    settings: RouterSettings
+    reader: StateReader
+    tokenizer: Tokenizer
+    weights: RoutingWeights
+    keys: dict[str, ApiKey]
+    client: httpx.AsyncClient
+    inflight: dict[str, Inflight] = field(default_factory=lambda: collections.defaultdict(Inflight))
+    suspect_until: dict[str, float] = field(default_factory=dict)
+    recent: collections.deque[dict[str, Any]] = field(default_factory=collections.deque)
+    decisions: int = 0
+    proxied: int = 0
+    upstream_errors: int = 0
+    started: float = field(default_factory=time.time)
+    rng: random.Random = field(default_factory=random.Random)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.decisions = Counter("kvflow_router_decisions_total", "Routing decisions", ["node"], registry=r)
+        self.decision_seconds = Histogram(
+            "kvflow_router_decision_seconds", "Time to decide (tokenize, hash, query, score)",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25), registry=r)
+        self.matched_blocks = Counter("kvflow_router_matched_blocks_total", "Prompt blocks cached on the choice",
+                                      registry=r)
+        self.prompt_blocks = Counter("kvflow_router_prompt_blocks_total", "Prompt blocks routed", registry=r)
+        self.proxied = Counter("kvflow_router_proxied_total", "Completions proxied", ["node", "outcome"], registry=r)
+        self.inflight = Gauge("kvflow_router_inflight_requests", "Proxied requests not finished", ["node"],
+                              registry=r)
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error", **extra: Any) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, **extra}},
+                        headers={k: v for k, v in (("x-kvflow-node", extra.get("node_id")),) if v})
+
+
+def create_app(settings: RouterSettings | None = None, database_url: str | None = None) -> FastAPI:
+    s = settings or RouterSettings()
+    env = RuntimeSettings().env
+    spec = s.api_keys.get_secret_value() if s.api_keys else (
+        Path(s.api_keys_file).read_text().strip() if s.api_keys_file else "")
+    keys = parse_api_keys(spec)
+    if not keys:
+        if env is Environment.PRODUCTION:
+            raise ValueError("KVFLOW_ROUTER_API_KEYS is required when KVFLOW_ENV=production")
+        log.warning("development mode: no API keys, the router is open")
+    db = DatabaseSettings()
+    if database_url is None:
+        db.check(env)
+    url = database_url or db.reader()
+    metrics = Metrics()
+    state_box: dict[str, RouterState] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        node_headers = {"authorization": f"Bearer {s.node_api_key.get_secret_value()}"} if s.node_api_key else {}
+        client = httpx.AsyncClient(timeout=httpx.Timeout(s.upstream_timeout_s, connect=5.0), headers=node_headers,
+                                   limits=httpx.Limits(max_connections=512, max_keepalive_connections=128))
+        state_box["s"] = RouterState(s, StateReader(url, s.nodes_cache_s), load_tokenizer(s.tokenizer_dir),
+                                     s.weights(), keys, client, recent=collections.deque(maxlen=s.recent_decisions))
+        try:
+            yield
+        finally:
+            await client.aclose()
+            await state_box["s"].reader.close()
+
+    app = FastAPI(title="kvflow routing API", version="1", lifespan=lifespan,
+                  description="KV-aware routing over the materialized cache state of an inference fleet.")
+
+    def st() -> RouterState:
+        return state_box["s"]
+
+    def scope(needed: str) -> Any:
+        def check(request: Request) -> ApiKey | None:
+            if not keys:
+                return None
+            header = request.headers.get("authorization", "")
+            scheme, _, token = header.partition(" ")
+            if scheme.lower() != "bearer" or not token:
+                raise HTTPException(401, "missing bearer API key", headers={"WWW-Authenticate": "Bearer"})
+            key = next((k for k in keys.values() if secrets.compare_digest(token, k.key)), None)
+            if key is None:
+                raise HTTPException(401, "unknown API key", headers={"WWW-Authenticate": "Bearer"})
+            if needed not in key.scopes:
+                raise HTTPException(403, f"this API key lacks the '{needed}' scope")
+            return key
+
+        return Depends(check)
+
+    @app.middleware("http")
+    async def limit_body(request: Request, call_next: Any) -> Any:
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > s.max_request_bytes):
+            return _error(413, f"request body larger than {s.max_request_bytes} bytes")
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        parts = [f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}"
+                 for e in exc.errors()[:5]]
+        return _error(422, "; ".join(parts))
+
+    @app.exception_handler(HTTPException)
+    async def on_http(request: Request, exc: HTTPException) -> JSONResponse:
+        return JSONResponse(status_code=exc.status_code,
+                            content={"error": {"message": exc.detail, "type": "http_error"}}, headers=exc.headers)
+
+    # ------------------------------------------------------------------ deciding
+
+    async def route(token_ids: list[int] | None, text: str | None, lora_id: int | None,
+                    salt: str | None, prompt_blocks_hint: int = 0) -> tuple[Decision, dict[str, Any], int]:
+        t0 = time.perf_counter()
+        state = st()
+        rows = await state.reader.nodes()
+        if token_ids is None:
+            token_ids = state.tokenizer.encode(text or "")
+        block_size = s.block_size or next((r["block_size"] for r in rows if r["block_size"]), 32)
+        hashes = [to_sql(h) for h in prompt_block_hashes(token_ids, block_size, lora_id=lora_id, cache_salt=salt)]
+        holdings = await state.reader.holdings(hashes)
+        now = time.monotonic()
+        views = []
+        for r in rows:
+            status = r["status"]
+            if state.suspect_until.get(r["node_id"], 0) > now:
+                status = "suspect"
+            inf = state.inflight.get(r["node_id"], Inflight())
+            views.append(NodeView(r["node_id"], r["url"] or "", status, r["capacity_gpu"], r["active_blocks"],
+                                  r["active_requests"], r["queued_requests"], inf.requests, inf.blocks))
+        decision = decide(hashes, views, holdings, state.weights, state.rng)
+        elapsed = time.perf_counter() - t0
+        state.decisions += 1
+        metrics.decision_seconds.observe(elapsed)
+        metrics.prompt_blocks.inc(len(hashes))
+        if decision.chosen is not None:
+            metrics.decisions.labels(decision.chosen.node_id).inc()
+            metrics.matched_blocks.inc(decision.chosen.matched_blocks)
+        body = {
+            "node_id": decision.chosen.node_id if decision.chosen else None,
+            "url": decision.chosen.url if decision.chosen else None,
+            "matched_blocks": decision.chosen.matched_blocks if decision.chosen else 0,
+            "matched_tokens": decision.chosen.matched_blocks * block_size if decision.chosen else 0,
+            "prompt_tokens": len(token_ids), "prompt_blocks": len(hashes), "block_size": block_size,
+            "reason": decision.reason, "decision_ms": round(elapsed * 1000, 3),
+            "candidates": [{k: v for k, v in {**asdict(c), "matched_blocks": c.matched_blocks}.items()
+                            if k != "url"} | {"cost": None if c.cost == float("inf") else round(c.cost, 3)}
+                           for c in decision.candidates],
+        }
+        state.recent.appendleft({"ts": time.time(), "node_id": body["node_id"], "prompt_tokens": len(token_ids),
+                                 "matched_tokens": body["matched_tokens"], "reason": decision.reason})
+        return decision, body, len(hashes)
+
+    @app.post("/v1/route")
+    async def route_endpoint(req: RouteRequest, key: ApiKey | None = scope("route")) -> JSONResponse:
+        if (req.prompt is None) == (req.token_ids is None):
+            return _error(422, "give exactly one of prompt and token_ids")
+        salt = key.tenant if key is not None and key.tenant else req.cache_salt
+        decision, body, _ = await route(req.token_ids, req.prompt, req.lora_id, salt)
+        if decision.chosen is None:
+            return JSONResponse(status_code=503, content={"error": {"message": "no live node", "type": "unavailable"},
+                                                          **body})
+        return JSONResponse(body)
+
+    # ------------------------------------------------------------------ proxying
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, key: ApiKey | None = scope("complete")) -> Response:
+        state = st()
+        payload = req.model_dump(exclude_none=True, exclude_defaults=False)
+        if key is not None and key.tenant:
+            payload["cache_salt"] = key.tenant  # a tenant's KV never mixes with another's
+        tokens = req.prompt if isinstance(req.prompt, list) else None
+        text = req.prompt if isinstance(req.prompt, str) else None
+        decision, body, n_blocks = await route(tokens, text, req.lora_id, payload.get("cache_salt"))
+        chosen = decision.chosen
+        if chosen is None:
+            return _error(503, "no live node to route to", "unavailable")
+        node = chosen.node_id
+        inf = state.inflight[node]
+        inf.requests += 1
+        inf.blocks += n_blocks
+        metrics.inflight.labels(node).set(inf.requests)
+        state.proxied += 1
+
+        def done(outcome: str) -> None:
+            inf.requests -= 1
+            inf.blocks -= n_blocks
+            metrics.inflight.labels(node).set(inf.requests)
+            metrics.proxied.labels(node, outcome).inc()
+            if outcome == "upstream_error":
+                state.upstream_errors += 1
+                state.suspect_until[node] = time.monotonic() + s.suspect_s
+
+        target = f"{chosen.url.rstrip('/')}/v1/completions"
+        headers = {"x-kvflow-node": node, "x-kvflow-matched-tokens": str(body["matched_tokens"])}
+        try:
+            upstream = await state.client.send(state.client.build_request("POST", target, json=payload), stream=True)
+        except httpx.HTTPError as exc:
+            done("upstream_error")
+            log.warning("node %s failed: %s", node, exc)
+            return _error(502, f"upstream node {node} failed: {type(exc).__name__}: {exc}", "upstream_error",
+                          node_id=node)
+
+        if req.stream and upstream.status_code == 200:
+            async def relay() -> AsyncIterator[bytes]:
+                outcome = "ok"
+                try:
+                    async for chunk in upstream.aiter_raw():
+                        yield chunk
+                except httpx.HTTPError as exc:
+                    outcome = "upstream_error"
+                    log.warning("node %s failed mid-stream: %s", node, exc)
+                    err = {"error": {"message": f"upstream node {node} failed mid-stream: {exc}",
+                                     "type": "upstream_error", "node_id": node}}
+                    yield b"data: " + json.dumps(err).encode() + b"\n\n"
+                finally:
+                    await upstream.aclose()
+                    done(outcome)
+
+            return StreamingResponse(relay(), media_type="text/event-stream", headers=headers)
+
+        try:
+            content = await upstream.aread()
+        except httpx.HTTPError as exc:
+            done("upstream_error")
+            return _error(502, f"upstream node {node} failed: {type(exc).__name__}: {exc}", "upstream_error",
+                          node_id=node)
+        finally:
+            await upstream.aclose()
+        if upstream.status_code >= 500:
+            done("upstream_error")
+            return _error(502, f"upstream node {node} answered {upstream.status_code}: {content[:300]!r}",
+                          "upstream_error", node_id=node)
+        done("ok" if upstream.status_code < 400 else "client_error")
+        return Response(content=content, status_code=upstream.status_code,
+                        media_type=upstream.headers.get("content-type", "application/json"), headers=headers)
+
+    # ------------------------------------------------------------------ reading
+
+    def node_json(r: Any) -> dict[str, Any]:
+        d = dict(r)
+        d["last_seen"] = d["last_seen"].isoformat() if d.get("last_seen") else None
+        d["counters"] = json.loads(d["counters"]) if isinstance(d.get("counters"), str) else d.get("counters")
+        d["silent_s"] = float(d["silent_s"]) if d.get("silent_s") is not None else None
+        inf = st().inflight.get(d["node_id"], Inflight())
+        d["router_inflight"] = inf.requests
+        d["suspect"] = st().suspect_until.get(d["node_id"], 0) > time.monotonic()
+        return d
+
+    @app.get("/v1/nodes")
+    async def nodes(_: ApiKey | None = scope("read")) -> dict[str, Any]:
+        return {"nodes": [node_json(r) for r in await st().reader.nodes(fresh=True)]}
+
+    @app.get("/v1/nodes/{node_id}")
+    async def node(node_id: str, _: ApiKey | None = scope("read")) -> Any:
+        rows = [r for r in await st().reader.nodes(fresh=True) if r["node_id"] == node_id]
+        if not rows:
+            return _error(404, f"no node {node_id!r}", "not_found")
+        out = node_json(rows[0])
+        out["cache_by_priority"] = [dict(r) for r in await st().reader.fetch(
+            "SELECT cache_level, priority, blocks, tokens FROM node_cache_by_priority WHERE node_id = $1 "
+            "ORDER BY cache_level, priority DESC", node_id)]
+        return out
+
+    @app.get("/v1/stats")
+    async def stats(_: ApiKey | None = scope("read")) -> dict[str, Any]:
+        state = st()
+        return {"decisions": state.decisions, "proxied": state.proxied, "upstream_errors": state.upstream_errors,
+                "inflight": {k: asdict(v) for k, v in state.inflight.items() if v.requests},
+                "uptime_s": round(time.time() - state.started, 1), "weights": asdict(state.weights),
+                "tokenizer": state.tokenizer.name, "recent_decisions": list(state.recent)[:20]}
+
+    @app.get("/v1/dashboard/data")
+    async def dashboard_data(_: ApiKey | None = scope("read")) -> dict[str, Any]:
+        state = st()
+        reader = state.reader
+        rows, comp, rates = await asyncio.gather(
+            reader.nodes(fresh=True),
+            reader.fetch("SELECT node_id, cache_level, priority, blocks FROM node_cache_by_priority"),
+            reader.fetch("SELECT node_id, extract(epoch FROM minute) AS t, hit_rate FROM node_hit_rates "
+                         "WHERE minute > now() - interval '30 minutes' ORDER BY minute"))
+        return {"now": time.time(), "nodes": [node_json(r) for r in rows],
+                "composition": [dict(r) for r in comp],
+                "hit_rates": [{"node_id": r["node_id"], "t": float(r["t"]),
+                               "hit_rate": float(r["hit_rate"]) if r["hit_rate"] is not None else None}
+                              for r in rates],
+                "decisions": list(state.recent)[:50], "router": {"decisions": state.decisions,
+                                                                  "proxied": state.proxied,
+                                                                  "upstream_errors": state.upstream_errors}}
+
+    @app.get("/dashboard", include_in_schema=False)
+    async def dashboard() -> FileResponse:
+        return FileResponse(STATIC / "dashboard.html", media_type="text/html")
+
+    @app.get("/healthz")
+    async def healthz() -> JSONResponse:
+        try:
+            rows = await st().reader.nodes()
+        except Exception as exc:
+            return JSONResponse(status_code=503, content={"status": "database unreachable", "error": str(exc)})
+        live = sum(1 for r in rows if r["status"] == "live")
+        return JSONResponse({"status": "ok", "nodes": len(rows), "live_nodes": live})
+
+    @app.get("/metrics", include_in_schema=False)
+    async def prom() -> Response:
+        return Response(generate_latest(metrics.registry), media_type="text/plain; version=0.0.4")
+
+    return app

@@ -1,0 +1,75 @@
+"""Router settings (``KVFLOW_ROUTER_…``) and API keys."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from routing_api.scoring import RoutingWeights
+
+SCOPES = frozenset({"route", "complete", "read"})
+
+
+class RouterSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KVFLOW_ROUTER_", extra="ignore")
+
+    host: str = Field(default="127.0.0.1", description="Bind address.")
+    port: int = Field(default=8000, description="HTTP port.")
+    api_keys: SecretStr | None = Field(
+        default=None,
+        description="Comma-separated `key[:tenant[:scope+scope]]`; scopes route, complete, read (default all). "
+                    "A tenant's requests use its name as cache salt. None: open (development only).")
+    api_keys_file: str | None = Field(default=None, description="File holding api_keys.")
+    node_api_key: SecretStr | None = Field(default=None, description="Bearer key the router presents to nodes.",
+                                           validation_alias="KVFLOW_NODE_API_KEY")
+    tokenizer_dir: str | None = Field(default=None, description="Folder with the nodes' tokenizer.json.")
+    block_size: int | None = Field(default=None, ge=1, description="Override the block size nodes report.")
+    overlap_weight: float = Field(default=1.0, ge=0, description="Weight of blocks still to prefill.")
+    host_credit: float = Field(default=0.75, ge=0, le=1, description="Credit of a host-tier block.")
+    low_priority_credit: float = Field(default=0.9, ge=0, le=1, description="Credit factor below priority 35.")
+    queued_weight_blocks: float = Field(default=8.0, ge=0, description="Blocks of load per queued request.")
+    busy_fraction: float = Field(default=0.95, gt=0, description="Load share of GPU blocks that filters a node out.")
+    temperature: float = Field(default=0.0, ge=0, description="Softmax sampling temperature (0: argmin).")
+    nodes_cache_s: float = Field(default=0.5, ge=0, description="How long the nodes table is cached.")
+    suspect_s: float = Field(default=10.0, ge=0, description="How long a node that failed a request is avoided.")
+    upstream_timeout_s: float = Field(default=300.0, gt=0, description="Timeout of a proxied request.")
+    recent_decisions: int = Field(default=200, ge=1, description="Decisions kept for the dashboard.")
+    max_request_bytes: int = Field(default=4 * 1024 * 1024, description="Largest request body accepted.")
+
+    def weights(self) -> RoutingWeights:
+        return RoutingWeights(overlap_weight=self.overlap_weight, host_credit=self.host_credit,
+                              low_priority_credit=self.low_priority_credit,
+                              queued_weight_blocks=self.queued_weight_blocks, busy_fraction=self.busy_fraction,
+                              temperature=self.temperature)
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    key: str
+    tenant: str | None
+    scopes: frozenset[str]
+
+
+def parse_api_keys(spec: str) -> dict[str, ApiKey]:
+    """``key[:tenant[:scope+scope]]`` entries, comma-separated.
+
+    Raises:
+        ValueError: an unknown scope or an empty key.
+    """
+    out: dict[str, ApiKey] = {}
+    for entry in spec.split(","):
+        entry = entry.strip()
+        if not entry:
+            continue
+        key, _, rest = entry.partition(":")
+        tenant, _, scopes = rest.partition(":")
+        if not key:
+            raise ValueError("an API key entry has an empty key")
+        scope_set = frozenset(s for s in scopes.split("+") if s) if scopes else SCOPES
+        unknown = scope_set - SCOPES
+        if unknown:
+            raise ValueError(f"unknown API key scopes {sorted(unknown)}; known: {sorted(SCOPES)}")
+        out[key] = ApiKey(key, tenant or None, scope_set)
+    return out

@@ -1,0 +1,156 @@
+"""KV-aware node selection: a pure function of the prompt's blocks, the nodes, and what they hold.
+
+Dynamo's cost, extended (DESIGN.md, "Routing cost")::
+
+    cost = overlap_weight × prefill_blocks + decode_blocks
+
+* ``prefill_blocks``: the prompt's full blocks minus the node's *contiguous* cached prefix, where a
+  GPU block counts 1, a host-tier block ``host_credit`` (0.75: it must be copied back first), and a
+  block below the default priority ``low_priority_credit`` of that (it is the first to go, so it
+  may be gone by the time the request lands).
+* ``decode_blocks``: the node's load in blocks — the blocks its running requests hold
+  (``active_blocks`` from its heartbeat), plus ``queued_weight_blocks`` per request waiting there,
+  plus the blocks of the requests the router sent it and has not seen finish (state in PostgreSQL
+  lags; the router's own count does not).
+
+Nodes that are ``stale`` or ``gone`` are never chosen; a ``resyncing`` node's holdings are not
+trusted (it may be chosen for its load, with no prefix credit). Nodes over the load threshold are
+filtered out first (unless all are). The lowest cost wins; ties go to the lower load, then the
+node id. With ``temperature > 0`` the choice is sampled with probability ∝ exp(−Δcost / T).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+DEFAULT_PRIORITY = 35
+
+
+@dataclass(frozen=True)
+class RoutingWeights:
+    """Every weight of the decision (``KVFLOW_ROUTER_…`` in ``routing_api.config``)."""
+
+    overlap_weight: float = 1.0
+    host_credit: float = 0.75
+    low_priority_credit: float = 0.9
+    queued_weight_blocks: float = 8.0
+    #: A node whose load exceeds this share of its GPU blocks is filtered out first.
+    busy_fraction: float = 0.95
+    temperature: float = 0.0
+
+
+@dataclass(frozen=True)
+class NodeView:
+    node_id: str
+    url: str
+    status: str
+    capacity_gpu: int
+    active_blocks: int = 0
+    active_requests: int = 0
+    queued_requests: int = 0
+    inflight_requests: int = 0
+    inflight_blocks: int = 0
+
+
+@dataclass
+class Candidate:
+    node_id: str
+    url: str
+    status: str
+    eligible: bool
+    gpu_blocks: int = 0
+    host_blocks: int = 0
+    cached_credit: float = 0.0
+    prefill_blocks: float = 0.0
+    decode_blocks: float = 0.0
+    cost: float = math.inf
+    busy: bool = False
+    reason: str = ""
+
+    @property
+    def matched_blocks(self) -> int:
+        return self.gpu_blocks + self.host_blocks
+
+
+@dataclass
+class Decision:
+    chosen: Candidate | None
+    candidates: list[Candidate] = field(default_factory=list)
+    total_blocks: int = 0
+    reason: str = ""
+
+
+#: A node's holdings: SQL-or-wire block hash → (cache level, priority).
+Holdings = Mapping[int, tuple[int, int]]
+
+
+def prefix_match(prompt_hashes: Sequence[int], holdings: Holdings, w: RoutingWeights) -> tuple[int, int, float]:
+    """(GPU blocks, host blocks, credit) of the node's contiguous cached prefix of the prompt."""
+    gpu = host = 0
+    credit = 0.0
+    for h in prompt_hashes:
+        held = holdings.get(h)
+        if held is None:
+            break
+        level, priority = held
+        c = 1.0 if level == 0 else w.host_credit
+        if priority < DEFAULT_PRIORITY:
+            c *= w.low_priority_credit
+        credit += c
+        if level == 0:
+            gpu += 1
+        else:
+            host += 1
+    return gpu, host, credit
+
+
+def decide(prompt_hashes: Sequence[int], nodes: Sequence[NodeView], holdings: Mapping[str, Holdings],
+           w: RoutingWeights, rng: random.Random | None = None) -> Decision:
+    """Choose a node for a prompt whose full blocks hash to ``prompt_hashes``."""
+    total = len(prompt_hashes)
+    cands: list[Candidate] = []
+    for n in nodes:
+        c = Candidate(n.node_id, n.url, n.status, eligible=n.status in ("live", "resyncing"))
+        if not c.eligible:
+            c.reason = f"{n.status}: never chosen"
+            cands.append(c)
+            continue
+        if n.status == "live":
+            c.gpu_blocks, c.host_blocks, c.cached_credit = prefix_match(prompt_hashes, holdings.get(n.node_id, {}), w)
+        else:
+            c.reason = "resyncing: cached blocks not trusted"
+        c.prefill_blocks = total - c.cached_credit
+        c.decode_blocks = n.active_blocks + n.inflight_blocks + w.queued_weight_blocks * n.queued_requests
+        c.cost = w.overlap_weight * c.prefill_blocks + c.decode_blocks
+        c.busy = n.capacity_gpu > 0 and n.active_blocks + n.inflight_blocks > w.busy_fraction * n.capacity_gpu
+        cands.append(c)
+    eligible = [c for c in cands if c.eligible]
+    if not eligible:
+        return Decision(None, cands, total, "no live node")
+    pool = [c for c in eligible if not c.busy] or eligible
+    for c in eligible:
+        if c.busy and c not in pool:
+            c.reason = c.reason or "over the load threshold"
+    pool.sort(key=lambda c: (c.cost, c.decode_blocks, c.node_id))
+    chosen = pool[0]
+    if w.temperature > 0 and len(pool) > 1:
+        r = rng or random.Random()
+        best = pool[0].cost
+        weights = [math.exp(-(c.cost - best) / w.temperature) for c in pool]
+        chosen = r.choices(pool, weights=weights, k=1)[0]
+    chosen.reason = _explain(chosen, total, pool)
+    return Decision(chosen, cands, total, chosen.reason)
+
+
+def _explain(c: Candidate, total: int, pool: list[Candidate]) -> str:
+    parts = [f"cost {c.cost:.2f} = {c.prefill_blocks:.2f} blocks to prefill + {c.decode_blocks:.0f} blocks of load"]
+    if c.matched_blocks:
+        parts.append(f"{c.matched_blocks}/{total} prompt blocks cached ({c.host_blocks} on host)")
+    others = [o for o in pool if o is not c]
+    if others:
+        nxt = min(others, key=lambda o: o.cost)
+        parts.append(f"next best {nxt.node_id} at {nxt.cost:.2f}")
+    return "; ".join(parts)

@@ -1,0 +1,114 @@
+"""The routing decision, exactly."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from eventbus.hashing import prompt_block_hashes
+from routing_api.scoring import NodeView, RoutingWeights, decide, prefix_match
+
+W = RoutingWeights()
+H = [101, 102, 103, 104, 105, 106, 107, 108]  # a prompt of 8 full blocks
+
+
+def node(nid: str, status: str = "live", **kw) -> NodeView:
+    return NodeView(nid, f"http://{nid}", status, kw.pop("capacity_gpu", 1000), **kw)
+
+
+def gpu(*hashes: int, prio: int = 35) -> dict[int, tuple[int, int]]:
+    return {h: (0, prio) for h in hashes}
+
+
+def test_the_longest_cached_prefix_wins_at_equal_load():
+    d = decide(H, [node("a"), node("b"), node("c")], {"a": gpu(*H[:2]), "b": gpu(*H[:6]), "c": {}}, W)
+    assert d.chosen.node_id == "b"
+    costs = {c.node_id: c.cost for c in d.candidates}
+    assert costs == {"a": 6.0, "b": 2.0, "c": 8.0}
+    assert d.chosen.matched_blocks == 6 and "6/8 prompt blocks cached" in d.reason
+
+
+def test_only_the_contiguous_prefix_counts():
+    # b holds blocks 1..8 except block 2: its prefix stops after block 1.
+    d = decide(H, [node("a"), node("b")], {"a": gpu(*H[:3]), "b": gpu(H[0], *H[2:])}, W)
+    assert d.chosen.node_id == "a"
+    assert {c.node_id: c.matched_blocks for c in d.candidates} == {"a": 3, "b": 1}
+
+
+def test_a_much_longer_queue_outweighs_a_small_prefix_advantage():
+    busy = node("a", active_blocks=40, queued_requests=3)          # load 40 + 3 x 8 = 64 blocks
+    idle = node("b", active_blocks=2)
+    d = decide(H, [busy, idle], {"a": gpu(*H[:8]), "b": gpu(*H[:6])}, W)
+    assert d.chosen.node_id == "b"
+    assert {c.node_id: c.cost for c in d.candidates} == {"a": 64.0, "b": 4.0}
+    # ... while a small load difference does not beat a large prefix advantage.
+    d = decide(H, [node("a", active_blocks=3), node("b")], {"a": gpu(*H), "b": gpu(H[0])}, W)
+    assert d.chosen.node_id == "a"
+
+
+def test_host_tier_blocks_earn_partial_credit():
+    host = {h: (1, 35) for h in H[:4]}
+    d = decide(H, [node("a"), node("b")], {"a": gpu(*H[:3]), "b": host}, W)
+    cand = {c.node_id: c for c in d.candidates}
+    assert cand["b"].host_blocks == 4 and cand["b"].cached_credit == 3.0  # 4 x 0.75
+    assert cand["a"].cached_credit == 3.0
+    assert d.chosen.node_id == "a"  # equal cost: the tie goes to the lower load, then the id
+    assert prefix_match(H, {**gpu(H[0]), H[1]: (1, 35)}, RoutingWeights(host_credit=0.5))[2] == 1.5
+
+
+def test_blocks_below_the_default_priority_are_worth_a_little_less():
+    d = decide(H, [node("a"), node("b")], {"a": gpu(*H[:4], prio=10), "b": gpu(*H[:4], prio=80)}, W)
+    assert d.chosen.node_id == "b"
+    assert {c.node_id: round(c.cached_credit, 2) for c in d.candidates} == {"a": 3.6, "b": 4.0}
+
+
+def test_stale_gone_and_suspect_nodes_are_never_chosen_and_resyncing_get_no_prefix_credit():
+    nodes = [node("a", "stale"), node("b", "gone"), node("c", "suspect"), node("d", "resyncing"), node("e")]
+    holdings = {n.node_id: gpu(*H) for n in nodes}
+    d = decide(H, nodes, holdings, W)
+    assert d.chosen.node_id == "e"
+    cand = {c.node_id: c for c in d.candidates}
+    assert not cand["a"].eligible and "stale: never chosen" in cand["a"].reason
+    assert cand["d"].eligible and cand["d"].matched_blocks == 0
+    assert decide(H, [node("a", "stale")], {}, W).chosen is None
+
+
+def test_nodes_over_the_load_threshold_are_filtered_first():
+    full = node("a", capacity_gpu=100, active_blocks=99)   # 99 % of its blocks in use
+    d = decide(H, [full, node("b", capacity_gpu=100, active_blocks=50)], {"a": gpu(*H)}, W)
+    assert d.chosen.node_id == "b"
+    # ... unless every node is busy: then the cheapest anyway.
+    d = decide(H, [full], {"a": gpu(*H)}, W)
+    assert d.chosen.node_id == "a"
+
+
+def test_the_routers_own_inflight_count_adds_load():
+    d = decide(H, [node("a", inflight_requests=5, inflight_blocks=40), node("b")], {"a": gpu(*H[:4])}, W)
+    assert d.chosen.node_id == "b"
+
+
+def test_ties_break_by_load_then_deterministically():
+    d = decide(H, [node("b"), node("a")], {}, W)
+    assert d.chosen.node_id == "a"
+    d = decide(H, [node("a", active_blocks=1), node("b")], {"b": {}}, RoutingWeights(overlap_weight=0))
+    assert d.chosen.node_id == "b"
+
+
+def test_softmax_sampling_prefers_cheap_nodes_in_proportion():
+    w = RoutingWeights(temperature=2.0)
+    rng = random.Random(5)
+    picks = Counter(decide(H, [node("a"), node("b")], {"a": gpu(*H[:2])}, w, rng).chosen.node_id
+                    for _ in range(4000))
+    # cost a = 6, b = 8: P(a) = 1 / (1 + e^-1) = 0.731
+    assert abs(picks["a"] / 4000 - 0.731) < 0.03
+
+
+def test_lora_and_cache_salt_separate_otherwise_equal_prompts():
+    tokens = list(range(256))
+    plain = prompt_block_hashes(tokens, 32)
+    holdings = {"a": gpu(*plain)}
+    for variant in (prompt_block_hashes(tokens, 32, lora_id=3), prompt_block_hashes(tokens, 32, cache_salt="t1")):
+        assert not set(variant) & set(plain)
+        d = decide(variant, [node("a"), node("b")], holdings, W)
+        assert {c.node_id: c.matched_blocks for c in d.candidates} == {"a": 0, "b": 0}
+    assert decide(plain, [node("a"), node("b")], holdings, W).chosen.node_id == "a"
