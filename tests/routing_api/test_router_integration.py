@@ -7,6 +7,7 @@ from collections import Counter
 
 import httpx
 import pytest
+
 from tests.support import applied_through_id, wait_for
 
 pytestmark = pytest.mark.integration
