@@ -364,6 +364,22 @@ def router_cmd(
     guarded("router", run)
 
 
+@bench_app.command("route")
+def bench_route_cmd(json_path: JsonOpt = None, quick: QuickOpt = False) -> None:
+    """Routing decisions through the HTTP API (32 nodes x 50k blocks) vs the bare SQL query."""
+    from kvflow.bench.route import bench_route
+
+    def run() -> None:
+        kw: dict[str, Any] = {"nodes": 4, "blocks_per_node": 2000, "prompts": 16, "requests": 200} if quick else {}
+        result = bench_route(say=lambda m: console.print(f"[dim]{m}[/]"), **kw)
+        result.print(console)
+        if json_path:
+            result.write_json(json_path)
+            console.print(f"wrote {json_path}")
+
+    guarded("bench route", run)
+
+
 def main() -> None:
     try:
         app()

@@ -17,6 +17,7 @@ import asyncio
 import collections
 import json
 import logging
+import math
 import random
 import secrets
 import time
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
@@ -34,8 +36,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from eventbus.api import CompletionRequest, RouteRequest
 from eventbus.config import Environment, RuntimeSettings
-from eventbus.hashing import prompt_block_hashes
-from eventbus.protocol import to_sql
+from eventbus.hashing import prompt_sql_hashes
 from eventbus.tokenizers import Tokenizer, load_tokenizer
 from routing_api.config import ApiKey, RouterSettings, parse_api_keys
 from routing_api.queries import StateReader
@@ -85,6 +86,23 @@ class Metrics:
                               registry=r)
 
 
+class BodyLimit:
+    """Refuse bodies over a size with 413 before they are read (plain ASGI: no per-request task)."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            for name, value in scope["headers"]:
+                if name == b"content-length" and (not value.isdigit() or int(value) > self.max_bytes):
+                    response = _error(413, f"request body larger than {self.max_bytes} bytes")
+                    await response(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
+
+
 def _error(status: int, message: str, kind: str = "invalid_request_error", **extra: Any) -> JSONResponse:
     return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, **extra}},
                         headers={k: v for k, v in (("x-kvflow-node", extra.get("node_id")),) if v})
@@ -127,7 +145,7 @@ def create_app(settings: RouterSettings | None = None, database_url: str | None 
         return state_box["s"]
 
     def scope(needed: str) -> Any:
-        def check(request: Request) -> ApiKey | None:
+        async def check(request: Request) -> ApiKey | None:  # async: no thread hop per request
             if not keys:
                 return None
             header = request.headers.get("authorization", "")
@@ -143,12 +161,7 @@ def create_app(settings: RouterSettings | None = None, database_url: str | None 
 
         return Depends(check)
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next: Any) -> Any:
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > s.max_request_bytes):
-            return _error(413, f"request body larger than {s.max_request_bytes} bytes")
-        return await call_next(request)
+    app.add_middleware(BodyLimit, max_bytes=s.max_request_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -171,8 +184,8 @@ def create_app(settings: RouterSettings | None = None, database_url: str | None 
         if token_ids is None:
             token_ids = state.tokenizer.encode(text or "")
         block_size = s.block_size or next((r["block_size"] for r in rows if r["block_size"]), 32)
-        hashes = [to_sql(h) for h in prompt_block_hashes(token_ids, block_size, lora_id=lora_id, cache_salt=salt)]
-        holdings = await state.reader.holdings(hashes)
+        hashes = prompt_sql_hashes(token_ids, block_size, lora_id=lora_id, cache_salt=salt)
+        matches = await state.reader.prefix_matches(hashes)
         now = time.monotonic()
         views = []
         for r in rows:
@@ -182,7 +195,7 @@ def create_app(settings: RouterSettings | None = None, database_url: str | None 
             inf = state.inflight.get(r["node_id"], Inflight())
             views.append(NodeView(r["node_id"], r["url"] or "", status, r["capacity_gpu"], r["active_blocks"],
                                   r["active_requests"], r["queued_requests"], inf.requests, inf.blocks))
-        decision = decide(hashes, views, holdings, state.weights, state.rng)
+        decision = decide(len(hashes), views, matches, state.weights, state.rng)
         elapsed = time.perf_counter() - t0
         state.decisions += 1
         metrics.decision_seconds.observe(elapsed)
@@ -197,16 +210,19 @@ def create_app(settings: RouterSettings | None = None, database_url: str | None 
             "matched_tokens": decision.chosen.matched_blocks * block_size if decision.chosen else 0,
             "prompt_tokens": len(token_ids), "prompt_blocks": len(hashes), "block_size": block_size,
             "reason": decision.reason, "decision_ms": round(elapsed * 1000, 3),
-            "candidates": [{k: v for k, v in {**asdict(c), "matched_blocks": c.matched_blocks}.items()
-                            if k != "url"} | {"cost": None if c.cost == float("inf") else round(c.cost, 3)}
-                           for c in decision.candidates],
+            "candidates": [{"node_id": c.node_id, "status": c.status, "eligible": c.eligible,
+                            "matched_blocks": c.gpu_blocks + c.host_blocks, "gpu_blocks": c.gpu_blocks,
+                            "host_blocks": c.host_blocks, "cached_credit": round(c.cached_credit, 3),
+                            "prefill_blocks": round(c.prefill_blocks, 3), "decode_blocks": round(c.decode_blocks, 3),
+                            "cost": None if c.cost == math.inf else round(c.cost, 3), "busy": c.busy,
+                            "reason": c.reason} for c in decision.candidates],
         }
         state.recent.appendleft({"ts": time.time(), "node_id": body["node_id"], "prompt_tokens": len(token_ids),
                                  "matched_tokens": body["matched_tokens"], "reason": decision.reason})
         return decision, body, len(hashes)
 
     @app.post("/v1/route")
-    async def route_endpoint(req: RouteRequest, key: ApiKey | None = scope("route")) -> JSONResponse:
+    async def route_endpoint(req: RouteRequest, key: ApiKey | None = scope("route")) -> Response:
         if (req.prompt is None) == (req.token_ids is None):
             return _error(422, "give exactly one of prompt and token_ids")
         salt = key.tenant if key is not None and key.tenant else req.cache_salt
@@ -214,7 +230,7 @@ def create_app(settings: RouterSettings | None = None, database_url: str | None 
         if decision.chosen is None:
             return JSONResponse(status_code=503, content={"error": {"message": "no live node", "type": "unavailable"},
                                                           **body})
-        return JSONResponse(body)
+        return Response(msgspec.json.encode(body), media_type="application/json")
 
     # ------------------------------------------------------------------ proxying
 

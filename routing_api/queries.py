@@ -10,6 +10,7 @@ from typing import Any
 
 import asyncpg
 
+from routing_api.scoring import DEFAULT_PRIORITY, PrefixMatch
 from state_store.config import plain_dsn
 
 NODES = """
@@ -18,10 +19,14 @@ SELECT node_id, instance_id, status, url, model, block_size, capacity_gpu, capac
        extract(epoch FROM now() - last_seen) AS silent_s
 FROM nodes ORDER BY node_id
 """
-# Index-only scan of node_blocks_block_hash_idx (block_hash) INCLUDE (node_id, cache_level, priority).
-HOLDINGS = """
-SELECT node_id, block_hash, cache_level, priority FROM node_blocks WHERE block_hash = ANY($1::bigint[])
-"""
+# Each node's contiguous cached prefix of the prompt, in one round trip: kvflow_prefix_matches()
+# (migration 0002) bisects over the prompt's blocks with probes of node_blocks_block_hash_idx.
+# routing_api.scoring.prefix_match is the same computation in Python (tests compare the two).
+PREFIX_MATCHES = "SELECT node_id, blocks, gpu, leaf_priority FROM kvflow_prefix_matches($1::bigint[])"
+
+
+async def _no_reset(conn: asyncpg.Connection) -> None:
+    """The router sets no session state, so a connection returned to the pool needs no RESET ALL."""
 
 
 class StateReader:
@@ -37,7 +42,7 @@ class StateReader:
     async def pool(self) -> asyncpg.Pool:
         if self._pool is None:
             self._pool = await asyncpg.create_pool(
-                self.dsn, min_size=1, max_size=self.pool_size, command_timeout=10,
+                self.dsn, min_size=1, max_size=self.pool_size, command_timeout=10, reset=_no_reset,
                 server_settings={"application_name": "kvflow-router", "default_transaction_read_only": "on"})
         return self._pool
 
@@ -56,14 +61,13 @@ class StateReader:
                 self._nodes_at = time.monotonic()
         return self._nodes
 
-    async def holdings(self, sql_hashes: Sequence[int]) -> dict[str, dict[int, tuple[int, int]]]:
-        out: dict[str, dict[int, tuple[int, int]]] = {}
+    async def prefix_matches(self, sql_hashes: Sequence[int]) -> dict[str, PrefixMatch]:
+        """Each node's contiguous cached prefix of the prompt (one round trip)."""
         if not sql_hashes:
-            return out
+            return {}
         pool = await self.pool()
-        for r in await pool.fetch(HOLDINGS, list(sql_hashes)):
-            out.setdefault(r[0], {})[r[1]] = (r[2], r[3])
-        return out
+        return {r[0]: PrefixMatch(gpu=r[2], host=r[1] - r[2], leaf_low=r[3] < DEFAULT_PRIORITY)
+                for r in await pool.fetch(PREFIX_MATCHES, list(sql_hashes))}
 
     async def fetch(self, sql: str, *args: Any) -> list[asyncpg.Record]:
         pool = await self.pool()

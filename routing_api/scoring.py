@@ -5,9 +5,9 @@ Dynamo's cost, extended (DESIGN.md, "Routing cost")::
     cost = overlap_weight × prefill_blocks + decode_blocks
 
 * ``prefill_blocks``: the prompt's full blocks minus the node's *contiguous* cached prefix, where a
-  GPU block counts 1, a host-tier block ``host_credit`` (0.75: it must be copied back first), and a
-  block below the default priority ``low_priority_credit`` of that (it is the first to go, so it
-  may be gone by the time the request lands).
+  GPU block counts 1 and a host-tier block ``host_credit`` (0.75: it must be copied back first);
+  a prefix whose deepest block is below the default priority counts ``low_priority_credit`` of
+  that (eviction takes leaves first: it is the next to erode, maybe before the request lands).
 * ``decode_blocks``: the node's load in blocks — the blocks its running requests hold
   (``active_blocks`` from its heartbeat), plus ``queued_weight_blocks`` per request waiting there,
   plus the blocks of the requests the router sent it and has not seen finish (state in PostgreSQL
@@ -87,30 +87,44 @@ class Decision:
 Holdings = Mapping[int, tuple[int, int]]
 
 
-def prefix_match(prompt_hashes: Sequence[int], holdings: Holdings, w: RoutingWeights) -> tuple[int, int, float]:
-    """(GPU blocks, host blocks, credit) of the node's contiguous cached prefix of the prompt."""
+@dataclass(frozen=True)
+class PrefixMatch:
+    """A node's contiguous cached prefix of a prompt: blocks on the GPU, then on the host (a node's
+    cache keeps every ancestor of a GPU block on the GPU), and whether the deepest one is below the
+    default priority (eviction takes leaves first: that prefix is the next to erode)."""
+
+    gpu: int = 0
+    host: int = 0
+    leaf_low: bool = False
+
+    def credit(self, w: RoutingWeights) -> float:
+        c = self.gpu + w.host_credit * self.host
+        return c * w.low_priority_credit if self.leaf_low else c
+
+
+NO_MATCH = PrefixMatch()
+
+
+def prefix_match(prompt_hashes: Sequence[int], holdings: Holdings) -> PrefixMatch:
+    """The node's contiguous cached prefix of the prompt (``kvflow_prefix_matches()`` in SQL computes
+    the same, by bisection, for the caches a node can have)."""
     gpu = host = 0
-    credit = 0.0
+    leaf_priority = DEFAULT_PRIORITY
     for h in prompt_hashes:
         held = holdings.get(h)
         if held is None:
             break
-        level, priority = held
-        c = 1.0 if level == 0 else w.host_credit
-        if priority < DEFAULT_PRIORITY:
-            c *= w.low_priority_credit
-        credit += c
+        level, leaf_priority = held
         if level == 0:
             gpu += 1
         else:
             host += 1
-    return gpu, host, credit
+    return PrefixMatch(gpu, host, leaf_priority < DEFAULT_PRIORITY)
 
 
-def decide(prompt_hashes: Sequence[int], nodes: Sequence[NodeView], holdings: Mapping[str, Holdings],
-           w: RoutingWeights, rng: random.Random | None = None) -> Decision:
-    """Choose a node for a prompt whose full blocks hash to ``prompt_hashes``."""
-    total = len(prompt_hashes)
+def decide(total: int, nodes: Sequence[NodeView], matches: Mapping[str, PrefixMatch], w: RoutingWeights,
+           rng: random.Random | None = None) -> Decision:
+    """Choose a node for a prompt of ``total`` full blocks, given each node's cached prefix of it."""
     cands: list[Candidate] = []
     for n in nodes:
         c = Candidate(n.node_id, n.url, n.status, eligible=n.status in ("live", "resyncing"))
@@ -119,7 +133,8 @@ def decide(prompt_hashes: Sequence[int], nodes: Sequence[NodeView], holdings: Ma
             cands.append(c)
             continue
         if n.status == "live":
-            c.gpu_blocks, c.host_blocks, c.cached_credit = prefix_match(prompt_hashes, holdings.get(n.node_id, {}), w)
+            m = matches.get(n.node_id, NO_MATCH)
+            c.gpu_blocks, c.host_blocks, c.cached_credit = m.gpu, m.host, m.credit(w)
         else:
             c.reason = "resyncing: cached blocks not trusted"
         c.prefill_blocks = total - c.cached_credit

@@ -76,3 +76,12 @@ def test_lora_none_differs_from_lora_zero():
 def test_tokens_pack_little_endian_u32():
     assert pack_tokens([1, 0x01020304]) == b"\x01\x00\x00\x00\x04\x03\x02\x01"
     assert prompt_block_hashes(list(range(31)), 32) == []
+
+
+def test_sql_hashes_are_the_wire_hashes_read_as_signed():
+    from eventbus.hashing import prompt_sql_hashes
+    from eventbus.protocol import to_sql
+
+    tokens = list(range(500))
+    assert prompt_sql_hashes(tokens, 32, cache_salt="x") == [
+        to_sql(h) for h in prompt_block_hashes(tokens, 32, cache_salt="x")]

@@ -6,10 +6,16 @@ import random
 from collections import Counter
 
 from eventbus.hashing import prompt_block_hashes
-from routing_api.scoring import NodeView, RoutingWeights, decide, prefix_match
+from routing_api.scoring import NodeView, PrefixMatch, RoutingWeights, prefix_match
+from routing_api.scoring import decide as decide_matches
 
 W = RoutingWeights()
 H = [101, 102, 103, 104, 105, 106, 107, 108]  # a prompt of 8 full blocks
+
+
+def decide(hashes, nodes, holdings, w, rng=None):
+    """decide() from raw holdings, through the pure prefix_match (the SQL computes the same)."""
+    return decide_matches(len(hashes), nodes, {n: prefix_match(hashes, h) for n, h in holdings.items()}, w, rng)
 
 
 def node(nid: str, status: str = "live", **kw) -> NodeView:
@@ -53,10 +59,11 @@ def test_host_tier_blocks_earn_partial_credit():
     assert cand["b"].host_blocks == 4 and cand["b"].cached_credit == 3.0  # 4 x 0.75
     assert cand["a"].cached_credit == 3.0
     assert d.chosen.node_id == "a"  # equal cost: the tie goes to the lower load, then the id
-    assert prefix_match(H, {**gpu(H[0]), H[1]: (1, 35)}, RoutingWeights(host_credit=0.5))[2] == 1.5
+    assert prefix_match(H, {**gpu(H[0]), H[1]: (1, 35)}).credit(RoutingWeights(host_credit=0.5)) == 1.5
+    assert prefix_match(H, {**gpu(H[0]), H[1]: (1, 35)}) == PrefixMatch(gpu=1, host=1, leaf_low=False)
 
 
-def test_blocks_below_the_default_priority_are_worth_a_little_less():
+def test_a_prefix_whose_leaf_is_below_the_default_priority_is_worth_a_little_less():
     d = decide(H, [node("a"), node("b")], {"a": gpu(*H[:4], prio=10), "b": gpu(*H[:4], prio=80)}, W)
     assert d.chosen.node_id == "b"
     assert {c.node_id: round(c.cached_credit, 2) for c in d.candidates} == {"a": 3.6, "b": 4.0}

@@ -1,0 +1,68 @@
+"""The router's SQL (kvflow_prefix_matches, by bisection) computes what prefix_match computes."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from datetime import UTC, datetime
+
+import asyncpg
+import pytest
+
+from routing_api.queries import StateReader
+from routing_api.scoring import prefix_match
+from state_store.config import plain_dsn
+
+pytestmark = pytest.mark.integration
+
+
+def node_cache(prompt: list[int], rng: random.Random, other_prompts: list[list[int]]) -> dict[int, tuple[int, int]]:
+    """A cache a node can have: prefix-closed, GPU blocks before host blocks along any prefix."""
+    held: dict[int, tuple[int, int]] = {}
+    chains = [prompt, *other_prompts]
+    for p in chains:
+        n = rng.choice([0, 1, 2, rng.randrange(len(p) + 1), len(p)])
+        g = rng.randrange(n + 1)
+        for i, h in enumerate(p[:n]):
+            held[h] = (0 if i < g else 1, rng.choice([0, 10, 35, 50, 100]))
+    for p in chains:  # every ancestor of a GPU block is on the GPU
+        last_gpu = max((i for i, h in enumerate(p) if held.get(h, (1, 0))[0] == 0), default=-1)
+        for h in p[:max(last_gpu, 0)]:
+            held[h] = (0, held[h][1])
+    return held
+
+
+def test_sql_prefix_matches_equal_the_python_reference(migrated_database_url, reader_url):
+    rng = random.Random(9)
+    prompts = [[rng.randrange(-(1 << 63), 1 << 63) for _ in range(rng.randint(1, 80))] for _ in range(12)]
+    shared = [rng.randrange(-(1 << 63), 1 << 63) for _ in range(5)]
+    prompts = [shared + p for p in prompts]  # a common "system prompt"
+    caches = {f"n{i}": node_cache(prompts[i % 4], rng, rng.sample(prompts, 3)) for i in range(10)}
+    now = datetime.now(tz=UTC)
+
+    async def fill() -> None:
+        conn = await asyncpg.connect(plain_dsn(migrated_database_url))
+        try:
+            await conn.copy_records_to_table(
+                "node_blocks", columns=["node_id", "block_hash", "cache_level", "priority", "num_tokens",
+                                        "stored_at", "updated_at"],
+                records=[(n, h, lvl, prio, 32, now, now) for n, held in caches.items()
+                         for h, (lvl, prio) in held.items()])
+        finally:
+            await conn.close()
+
+    async def query() -> list[dict]:
+        reader = StateReader(reader_url)
+        try:
+            return [await reader.prefix_matches(p) for p in prompts]
+        finally:
+            await reader.close()
+
+    asyncio.run(fill())
+    got = asyncio.run(query())
+    for p, matches in zip(prompts, got, strict=True):
+        expected = {n: m for n, c in caches.items() if (m := prefix_match(p, c)).gpu + m.host > 0}
+        assert matches == expected
+    assert any(m.host for ms in got for m in ms.values())
+    assert any(m.leaf_low for ms in got for m in ms.values())
+    assert asyncio.run(StateReader(reader_url).prefix_matches([])) == {}
