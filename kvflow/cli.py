@@ -380,6 +380,21 @@ def bench_route_cmd(json_path: JsonOpt = None, quick: QuickOpt = False) -> None:
     guarded("bench route", run)
 
 
+@app.command("demo")
+def demo_cmd(
+    requests: Annotated[int, typer.Option(help="Requests to send through the router.")] = 90,
+    keep: Annotated[bool, typer.Option("--keep", help="Keep the services running after the summary.")] = False,
+    external: Annotated[bool, typer.Option("--external", help="Use the Kafka and PostgreSQL named by "
+                                           "KVFLOW_KAFKA_BOOTSTRAP / KVFLOW_DATABASE_URL (e.g. the compose "
+                                           "stack) instead of starting the local stack.")] = False,
+) -> None:
+    """The main job: stack, materializer, router, two CPU nodes, a realistic workload, a summary."""
+    from kvflow.demo import run_demo
+
+    code = guarded("demo", lambda: run_demo(console, requests=requests, keep=keep, use_local_stack=not external))
+    raise typer.Exit(code)
+
+
 def main() -> None:
     try:
         app()

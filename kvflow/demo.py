@@ -1,0 +1,312 @@
+"""``kvflow demo``: the whole system on one machine, a realistic workload, a summary.
+
+It starts (or reuses) the local stack, applies migrations, starts the materializer, the router and
+two CPU inference nodes as separate processes, and drives a workload through the router: a few
+long shared system prompts pinned at priority 100, multi-turn conversations whose history grows,
+and one-off questions. It ends with a summary (requests, cached-token share, routing choices,
+events published and materialized, materializer lag), the dashboard's URL and a line of SQL.
+Ctrl-C, or the end of the run, stops everything it started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import httpx
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvflow.stack import Stack, port_open
+from state_store.config import DatabaseSettings, plain_dsn
+
+SYSTEM_PROMPTS = [
+    "You are the support assistant of an airline. Be precise about fares, baggage rules and "
+    "connections; never invent a flight. Policies: ",
+    "You are a careful code reviewer for a Python service. Point out bugs, unclear names, missing "
+    "tests and security problems, in that order. Style guide: ",
+    "You are a medical triage helper. You never diagnose; you ask about symptoms, duration and "
+    "severity, and you send urgent cases to a doctor at once. Protocol: ",
+]
+TOPICS = ["refunds", "a lost bag", "a delayed flight", "seat upgrades", "pets on board", "a null check",
+          "a race condition", "SQL injection", "logging", "a headache", "a sprained ankle", "a fever"]
+
+
+@dataclass
+class Service:
+    name: str
+    proc: subprocess.Popen[bytes]
+    url: str | None = None
+
+
+@dataclass
+class DemoResult:
+    requests: int = 0
+    failed: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    by_node: Counter[str] = field(default_factory=Counter)
+    by_kind: Counter[str] = field(default_factory=Counter)
+    cached_by_kind: Counter[str] = field(default_factory=Counter)
+    prompt_by_kind: Counter[str] = field(default_factory=Counter)
+
+
+def _free(port: int) -> int:
+    while port_open(port):
+        port += 1
+    return port
+
+
+class Demo:
+    def __init__(self, console: Console, *, requests: int = 90, concurrency: int = 4, nodes: int = 2,
+                 use_local_stack: bool = True, log_dir: Path | None = None) -> None:
+        self.console = console
+        self.requests = requests
+        self.concurrency = concurrency
+        self.n_nodes = nodes
+        self.use_local_stack = use_local_stack
+        self.started_stack = False
+        self.stack = Stack()
+        self.services: list[Service] = []
+        self.log_dir = log_dir or self.stack.paths.logs / "demo"
+        self.env = dict(os.environ)
+
+    # ------------------------------------------------------------------ processes
+
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None, url: str | None = None) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = (self.log_dir / f"{name}.log").open("ab")
+        proc = subprocess.Popen([sys.executable, "-m", "kvflow.cli", *args], env={**self.env, **(env or {})},
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.services.append(Service(name, proc, url))
+
+    def stop(self) -> None:
+        for svc in reversed(self.services):
+            if svc.proc.poll() is None:
+                svc.proc.send_signal(signal.SIGTERM)
+        for svc in reversed(self.services):
+            try:
+                svc.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                svc.proc.kill()
+        self.services.clear()
+        if self.started_stack:
+            self.console.print("[dim]stopping the local stack it started …[/]")
+            self.stack.down()
+            self.started_stack = False
+
+    def _wait_http(self, url: str, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url, timeout=2).status_code == 200:
+                    return
+            for svc in self.services:
+                if svc.proc.poll() is not None:
+                    raise RuntimeError(f"{svc.name} exited; see {self.log_dir / (svc.name + '.log')}")
+            time.sleep(0.3)
+        raise RuntimeError(f"{url} did not answer within {timeout:.0f} s")
+
+    # ------------------------------------------------------------------ the run
+
+    def start(self, say: Callable[[str], None]) -> tuple[str, list[str]]:
+        if self.use_local_stack:
+            was_up = all(s.state in ("running", "external") for s in self.stack.status())
+            self.stack.up(say)
+            self.started_stack = not was_up
+        say("applying migrations …")
+        from migrations import upgrade
+
+        upgrade("head")
+        from eventbus.config import KafkaSettings
+        from eventbus.kafka import ensure_topics
+
+        ensure_topics(KafkaSettings())
+        say("starting the materializer …")
+        self._spawn("materializer", ["materializer", "--loglevel", "warn"],
+                    {"KVFLOW_MATERIALIZER_GROUP_ID": "kvflow-materializer",
+                     "KVFLOW_MATERIALIZER_WEB_PORT": str(_free(6066))})
+        node_urls = []
+        port = 8101
+        for i in range(self.n_nodes):
+            port = _free(port)
+            name = f"demo-node-{chr(ord('a') + i)}"
+            url = f"http://127.0.0.1:{port}"
+            say(f"starting {name} on {url} …")
+            self._spawn(name, ["node", "--node-id", name, "--port", str(port), "--num-blocks", "384",
+                               "--host-blocks", "512", "--model-preset", "small", "--log-level", "warning"],
+                        {"KVFLOW_NODE_SEED": "0"}, url)
+            node_urls.append(url)
+            port += 1
+        router_port = _free(8000)
+        router = f"http://127.0.0.1:{router_port}"
+        say(f"starting the router on {router} …")
+        self._spawn("router", ["router", "--port", str(router_port), "--log-level", "warning"], url=router)
+        for url in [*node_urls, router]:
+            self._wait_http(f"{url}/healthz")
+        say("waiting until PostgreSQL knows both nodes …")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            live = [n for n in httpx.get(f"{router}/v1/nodes", timeout=5).json()["nodes"]
+                    if n["status"] == "live" and n["node_id"].startswith("demo-node-")]
+            if len(live) >= self.n_nodes:
+                break
+            time.sleep(0.5)
+        else:
+            raise RuntimeError("the nodes did not appear in PostgreSQL; see the materializer's log")
+        return router, node_urls
+
+    def workload(self, seed: int = 7) -> Iterator[tuple[str, dict[str, Any]]]:
+        """(kind, body) of each request: system-prompt traffic, conversations, one-offs."""
+        rng = random.Random(seed)
+        policies = [" ".join(f"rule {i}: {rng.choice(TOPICS)} is handled per section {i}." for i in range(40))
+                    for _ in SYSTEM_PROMPTS]
+        systems = [s + p for s, p in zip(SYSTEM_PROMPTS, policies, strict=True)]
+        sessions: list[tuple[int, str]] = []
+        for _ in range(self.requests):
+            r = rng.random()
+            if r < 0.35 and sessions:
+                i = rng.randrange(len(sessions))
+                k, history = sessions[i]
+                history += f"\nUser: and what about {rng.choice(TOPICS)}?\nAssistant: it depends on the case."
+                sessions[i] = (k, history)
+                yield "conversation", {"prompt": systems[k] + history, "max_tokens": 8,
+                                       "kv_retention": _pin(len(systems[k]))}
+            elif r < 0.8:
+                k = rng.randrange(len(systems))
+                history = f"\nUser: tell me about {rng.choice(TOPICS)}.\nAssistant: sure."
+                sessions.append((k, history))
+                yield "system prompt", {"prompt": systems[k] + history, "max_tokens": 8,
+                                        "kv_retention": _pin(len(systems[k]))}
+            else:
+                question = f"A one-off question #{rng.randrange(10**6)}: what is {rng.choice(TOPICS)}?"
+                yield "one-off", {"prompt": question,
+                                  "max_tokens": 8}
+
+    async def drive(self, router: str, progress: Progress) -> DemoResult:
+        res = DemoResult()
+        task = progress.add_task("requests through the router", total=self.requests)
+        queue: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
+        for item in self.workload():
+            queue.put_nowait(item)
+        async with httpx.AsyncClient(base_url=router, timeout=120) as client:
+            async def worker() -> None:
+                while not queue.empty():
+                    kind, body = queue.get_nowait()
+                    r = await client.post("/v1/completions", json=body)
+                    res.requests += 1
+                    if r.status_code != 200:
+                        res.failed += 1
+                    else:
+                        usage = r.json()["usage"]
+                        cached = usage["prompt_tokens_details"]["cached_tokens"]
+                        res.prompt_tokens += usage["prompt_tokens"]
+                        res.cached_tokens += cached
+                        res.by_node[r.headers["x-kvflow-node"]] += 1
+                        res.by_kind[kind] += 1
+                        res.prompt_by_kind[kind] += usage["prompt_tokens"]
+                        res.cached_by_kind[kind] += cached
+                    progress.advance(task)
+
+            await asyncio.gather(*(worker() for _ in range(self.concurrency)))
+        return res
+
+    async def pipeline_figures(self, node_urls: list[str]) -> dict[str, Any]:
+        emitted = {}
+        await asyncio.sleep(1.0)  # the nodes publish what the last requests queued
+        async with httpx.AsyncClient(timeout=10) as client:
+            for url in node_urls:
+                st = (await client.get(f"{url}/v1/kv/stats")).json()
+                emitted[st["node_id"]] = st["last_event_id"]
+        published = sum(e + 1 for e in emitted.values())
+        db = DatabaseSettings()
+        conn = await asyncpg.connect(plain_dsn(db.writer()))
+        try:
+            deadline = time.monotonic() + 20
+            while True:
+                rows = await conn.fetch("SELECT node_id, last_event_id FROM nodes WHERE node_id = ANY($1::text[])",
+                                        list(emitted))
+                applied = {r["node_id"]: r["last_event_id"] for r in rows}
+                lag = sum(max(0, emitted[n] - applied.get(n, -1)) for n in emitted)
+                if lag == 0 or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.5)
+            history = await conn.fetchval("SELECT count(*) FROM block_events WHERE node_id = ANY($1::text[])",
+                                          list(emitted))
+            events = await conn.fetchval("SELECT count(DISTINCT (node_id, instance_id, event_id)) FROM block_events "
+                                         "WHERE node_id = ANY($1::text[])", list(emitted))
+            pinned = await conn.fetchval("SELECT count(*) FROM node_blocks WHERE priority = 100 AND "
+                                         "node_id = ANY($1::text[])", list(emitted))
+        finally:
+            await conn.close()
+        return {"published": published, "materialized": events, "history_rows": history, "lag_events": lag,
+                "pinned_blocks": pinned}
+
+
+def _pin(chars: int) -> dict[str, Any]:
+    """Retention for a request whose first ``chars`` bytes are the system prompt: priority 100."""
+    return {"token_ranges": [{"start": 0, "end": chars, "priority": 100}]}
+
+
+def run_demo(console: Console, *, requests: int = 90, keep: bool = False, use_local_stack: bool = True) -> int:
+    demo = Demo(console, requests=requests, use_local_stack=use_local_stack)
+
+    def say(m: str) -> None:
+        console.print(f"[dim]{m}[/]")
+
+    try:
+        router, node_urls = demo.start(say)
+        with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), console=console) as progress:
+            t0 = time.monotonic()
+            res = asyncio.run(demo.drive(router, progress))
+            elapsed = time.monotonic() - t0
+        figures = asyncio.run(demo.pipeline_figures(node_urls))
+        _summary(console, res, figures, elapsed, router)
+        if keep:
+            console.print("\nthe services keep running; press Ctrl-C to stop them")
+            with contextlib.suppress(KeyboardInterrupt):
+                while all(s.proc.poll() is None for s in demo.services):
+                    time.sleep(1)
+        return 0 if res.failed == 0 else 1
+    except KeyboardInterrupt:
+        console.print("\ninterrupted")
+        return 130
+    finally:
+        demo.stop()
+
+
+def _summary(console: Console, res: DemoResult, f: dict[str, Any], elapsed: float, router: str) -> None:
+    t = Table(title="kvflow demo")
+    t.add_column("")
+    t.add_column("", justify="right")
+    share = res.cached_tokens / res.prompt_tokens if res.prompt_tokens else 0.0
+    t.add_row("requests (failed)", f"{res.requests} ({res.failed})")
+    t.add_row("requests per second", f"{res.requests / elapsed:.1f}")
+    t.add_row("prompt tokens / served from cache", f"{res.prompt_tokens:,} / {res.cached_tokens:,} ({share:.0%})")
+    for kind in ("system prompt", "conversation", "one-off"):
+        p, c = res.prompt_by_kind[kind], res.cached_by_kind[kind]
+        t.add_row(f"  {kind} ({res.by_kind[kind]} requests)", f"{c / p:.0%} cached" if p else "-")
+    for node, n in sorted(res.by_node.items()):
+        t.add_row(f"routed to {node}", str(n))
+    t.add_row("events emitted by the nodes", f"{f['published']:,}")
+    t.add_row("events materialized in PostgreSQL", f"{f['materialized']:,} ({f['history_rows']:,} block rows)")
+    t.add_row("materializer lag (events)", str(f["lag_events"]))
+    t.add_row("blocks pinned at priority 100", str(f["pinned_blocks"]))
+    console.print(t)
+    console.print(f"dashboard: {router}/dashboard (while the services run: kvflow demo --keep)")
+    console.print("try: psql postgresql://kvflow_reader:kvflow_reader@localhost:55432/kvflow "
+                  "-c 'SELECT * FROM node_cache_summary'", highlight=False)
