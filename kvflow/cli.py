@@ -395,6 +395,38 @@ def demo_cmd(
     raise typer.Exit(code)
 
 
+@app.command("sim")
+def sim_cmd(
+    json_path: JsonOpt = None,
+    quick: QuickOpt = False,
+    trace: Annotated[str | None, typer.Option(help="A trace in the Mooncake format (default: the conversation "
+                                              "trace in ../shared/traces).")] = None,
+    out: Annotated[str, typer.Option(help="Folder for the report and the plots.")] = "artifacts/sim",
+) -> None:
+    """Trace-driven cluster simulator: eviction and routing policies on the real KV core."""
+    from pathlib import Path
+
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from kvflow.sim.run import run_sim
+
+    def run() -> None:
+        kw: dict[str, Any] = {"capacities": (200, 400), "reference": 400, "curve_capacities": (200, 800),
+                              "generator_requests": 800, "limit": 1500} if quick else {}
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                      console=console, transient=True) as progress:
+            task = progress.add_task("simulating …", total=None)
+            result = run_sim(trace=trace, out_dir=Path(out), step=lambda m: progress.update(task, description=m),
+                             **kw)
+        result.print(console)
+        console.print(f"report: {result.details['report']}; plots in {out}")
+        if json_path:
+            result.write_json(json_path)
+            console.print(f"wrote {json_path}")
+
+    guarded("sim", run)
+
+
 def main() -> None:
     try:
         app()

@@ -1,0 +1,203 @@
+"""``kvflow sim``: the experiments behind docs/benchmarks.md, with tables, JSON and plots.
+
+Its defaults run exactly these:
+
+1. **Priority eviction on a system-prompt-heavy workload** (one node, 128 blocks of 512 tokens):
+   clients pin their system prompts at priority 100; LRU has no hints.
+   ``ratios.priority_vs_lru_hit_rate_system_prompt`` (goal ≥ 1.2).
+2. **Routing on the Mooncake trace**: 8 nodes at 500 / 1,000 / 2,000 blocks each; random,
+   round-robin, least-loaded, KV-aware (cache only) and KV-aware with load (the router's own
+   scoring), against one pooled cache of 8 × the capacity. At 1,000 blocks:
+   ``ratios.kv_aware_vs_pooled_hit_rate`` (goal ≥ 0.95), ``ratios.round_robin_vs_pooled_hit_rate``,
+   ``figures.kv_aware_max_over_mean_load`` (the larger of requests and prefill tokens; goal ≤ 1.15).
+3. **The stretch**: KV-aware routing with the adaptive eviction policy on 8 nodes, against one
+   pooled LRU cache of the same total size.
+4. **Hit rate against capacity** of one cache on the Mooncake trace: LRU, priority (the shared
+   first block pinned), adaptive, Belady's optimum.
+5. **Workload generators** (system-prompt-heavy, multi-turn, agentic, one-shot) × eviction policy.
+
+Outputs: a markdown report and two PNG plots in ``--out`` (default ``artifacts/sim``), and JSON
+with ``--json``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvflow.bench.harness import BenchResult
+from kvflow.sim.cluster import ROUTING, SimResult, pooled_belady, simulate
+from kvflow.sim.workloads import GENERATORS, SimRequest, mooncake
+from routing_api.scoring import RoutingWeights
+
+#: The router's weights for these experiments: a cached block is worth 8 blocks of queue (tuned on
+#: the Mooncake trace; see docs/benchmarks.md for the sweep).
+SIM_WEIGHTS = RoutingWeights(overlap_weight=8.0)
+#: Service model: prefill 10k tokens/s per node (decode time left out).
+PREFILL_S_PER_TOKEN = 1e-4
+
+
+def run_sim(*, trace: str | None = None, nodes: int = 8, capacities: tuple[int, ...] = (500, 1000, 2000),
+            reference: int = 1000, curve_capacities: tuple[int, ...] = (500, 1000, 2000, 4000, 8000, 16000),
+            system_prompt_capacity: int = 128, generator_requests: int = 6000, limit: int | None = None,
+            out_dir: Path = Path("artifacts/sim"), plots: bool = True,
+            step: Callable[[str], None] = lambda _m: None) -> BenchResult:
+    res = BenchResult("sim")
+    rows: list[SimResult] = []
+
+    def sim(reqs: list[SimRequest], **kw: Any) -> SimResult:
+        step(f"{kw.get('workload')}: {kw.get('routing')} / {kw.get('eviction')} / {kw.get('nodes')} x "
+             f"{kw.get('capacity')}")
+        r = simulate(reqs, prefill_s_per_token=PREFILL_S_PER_TOKEN, weights=SIM_WEIGHTS, **kw)
+        rows.append(r)
+        return r
+
+    # 1. Priority eviction with client configs, system-prompt-heavy.
+    sp = GENERATORS["system_prompt"](generator_requests)
+    lru = sim(sp, nodes=1, capacity=system_prompt_capacity, routing="pooled", eviction="lru", workload="system_prompt")
+    pri = sim(sp, nodes=1, capacity=system_prompt_capacity, routing="pooled", eviction="priority",
+              workload="system_prompt")
+    res.figures["system_prompt_lru_hit_rate"] = lru.hit_rate
+    res.figures["system_prompt_priority_hit_rate"] = pri.hit_rate
+    res.ratios["priority_vs_lru_hit_rate_system_prompt"] = pri.hit_rate / lru.hit_rate
+    res.goals["priority_vs_lru_hit_rate_system_prompt"] = ">= 1.2"
+
+    # 2./3. Routing on the trace, and the stretch.
+    mc = mooncake(trace, limit)
+    routing_rows: dict[tuple[int, str], SimResult] = {}
+    for cap in capacities:
+        pooled = sim(mc, nodes=nodes, capacity=cap, routing="pooled", eviction="lru", workload="mooncake")
+        routing_rows[(cap, "pooled")] = pooled
+        for routing in ROUTING:
+            routing_rows[(cap, routing)] = sim(mc, nodes=nodes, capacity=cap, routing=routing, eviction="lru",
+                                               workload="mooncake")
+        stretch = sim(mc, nodes=nodes, capacity=cap, routing="kv_aware_load", eviction="adaptive",
+                      workload="mooncake")
+        res.ratios[f"kv_aware_adaptive_vs_pooled_lru_hit_rate_{cap}"] = stretch.hit_rate / pooled.hit_rate
+        kv_cap = routing_rows[(cap, "kv_aware_load")]
+        res.ratios[f"kv_aware_vs_pooled_hit_rate_{cap}"] = kv_cap.hit_rate / pooled.hit_rate
+    ref = reference if reference in capacities else capacities[len(capacities) // 2]
+    pooled = routing_rows[(ref, "pooled")]
+    kv = routing_rows[(ref, "kv_aware_load")]
+    res.ratios["kv_aware_vs_pooled_hit_rate"] = kv.hit_rate / pooled.hit_rate
+    res.ratios["round_robin_vs_pooled_hit_rate"] = routing_rows[(ref, "round_robin")].hit_rate / pooled.hit_rate
+    res.ratios["random_vs_pooled_hit_rate"] = routing_rows[(ref, "random")].hit_rate / pooled.hit_rate
+    res.figures["kv_aware_max_over_mean_load"] = max(kv.max_over_mean_requests, kv.max_over_mean_prefill)
+    res.figures["kv_aware_max_over_mean_requests"] = kv.max_over_mean_requests
+    res.figures["kv_aware_max_over_mean_prefill_tokens"] = kv.max_over_mean_prefill
+    res.figures["kv_aware_hit_rate"] = kv.hit_rate
+    res.baseline["pooled_lru_hit_rate"] = pooled.hit_rate
+    worst = max(max(routing_rows[(c, "kv_aware_load")].max_over_mean_requests,
+                    routing_rows[(c, "kv_aware_load")].max_over_mean_prefill) for c in capacities)
+    res.figures["kv_aware_max_over_mean_load_worst_capacity"] = worst
+    res.ratios["kv_aware_vs_pooled_hit_rate_min"] = min(res.ratios[f"kv_aware_vs_pooled_hit_rate_{c}"]
+                                                         for c in capacities)
+    res.goals.update({"kv_aware_vs_pooled_hit_rate": ">= 0.95", "kv_aware_max_over_mean_load": "<= 1.15"})
+
+    # 4. Hit rate against capacity, one cache.
+    curves: dict[str, list[float]] = {"lru": [], "priority": [], "adaptive": [], "belady": []}
+    for cap in curve_capacities:
+        for ev in ("lru", "priority", "adaptive"):
+            curves[ev].append(sim(mc, nodes=1, capacity=cap, routing="pooled", eviction=ev,
+                                  workload="mooncake").hit_rate)
+        step(f"mooncake: belady / 1 x {cap}")
+        b = pooled_belady(mc, nodes=1, capacity=cap, workload="mooncake")
+        rows.append(b)
+        curves["belady"].append(b.hit_rate)
+
+    # 5. Generators x eviction.
+    gen_table: dict[str, dict[str, float]] = {}
+    for name, gen in GENERATORS.items():
+        reqs = sp if name == "system_prompt" else gen(generator_requests)
+        gen_table[name] = {ev: sim(reqs, nodes=1, capacity=system_prompt_capacity, routing="pooled", eviction=ev,
+                                   workload=name).hit_rate for ev in ("lru", "priority", "adaptive")}
+
+    res.details.update({
+        "nodes": nodes, "capacities": list(capacities), "reference_capacity": ref,
+        "weights": {"overlap_weight": SIM_WEIGHTS.overlap_weight, "host_credit": SIM_WEIGHTS.host_credit},
+        "prefill_s_per_token": PREFILL_S_PER_TOKEN, "curve_capacities": list(curve_capacities), "curves": curves,
+        "generators": gen_table, "runs": [r.as_dict() for r in rows],
+    })
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = markdown_report(res, routing_rows, capacities, curves, curve_capacities, gen_table,
+                             system_prompt_capacity)
+    (out_dir / "report.md").write_text(report)
+    if plots:
+        write_plots(out_dir, routing_rows, capacities, ref, curves, curve_capacities)
+    res.details["report"] = str(out_dir / "report.md")
+    return res
+
+
+def markdown_report(res: BenchResult, routing_rows: dict[tuple[int, str], SimResult], capacities: tuple[int, ...],
+                    curves: dict[str, list[float]], curve_capacities: tuple[int, ...],
+                    gen_table: dict[str, dict[str, float]], sp_cap: int) -> str:
+    lines = ["# kvflow sim", "",
+             f"System-prompt-heavy workload, one node of {sp_cap} blocks: LRU "
+             f"{res.figures['system_prompt_lru_hit_rate']:.3f}, priority (client configs) "
+             f"{res.figures['system_prompt_priority_hit_rate']:.3f} — "
+             f"{res.ratios['priority_vs_lru_hit_rate_system_prompt']:.2f}x.", "",
+             "## Mooncake trace, 8 nodes", "",
+             "| blocks per node | routing | hit rate | vs pooled | max/mean requests | max/mean prefill tokens |",
+             "| ---: | --- | ---: | ---: | ---: | ---: |"]
+    for cap in capacities:
+        pooled = routing_rows[(cap, "pooled")].hit_rate
+        for routing in ("pooled", *ROUTING):
+            r = routing_rows[(cap, routing)]
+            lines.append(f"| {cap:,} | {routing} | {r.hit_rate:.4f} | {r.hit_rate / pooled:.3f} | "
+                         f"{r.max_over_mean_requests:.3f} | {r.max_over_mean_prefill:.3f} |")
+    lines += ["", "KV-aware routing with the adaptive policy against one pooled LRU cache of the same size:", ""]
+    lines += [f"- {cap:,} blocks per node: {res.ratios[f'kv_aware_adaptive_vs_pooled_lru_hit_rate_{cap}']:.3f}x"
+              for cap in capacities]
+    lines += ["", "## One cache, Mooncake trace: hit rate against capacity", "",
+              "| blocks | " + " | ".join(curves) + " |", "| ---: |" + " ---: |" * len(curves)]
+    for i, cap in enumerate(curve_capacities):
+        lines.append(f"| {cap:,} | " + " | ".join(f"{curves[k][i]:.4f}" for k in curves) + " |")
+    lines += ["", f"## Generated workloads, one node of {sp_cap} blocks", "",
+              "| workload | lru | priority | adaptive |", "| --- | ---: | ---: | ---: |"]
+    for name, row in gen_table.items():
+        lines.append(f"| {name} | {row['lru']:.4f} | {row['priority']:.4f} | {row['adaptive']:.4f} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_plots(out_dir: Path, routing_rows: dict[tuple[int, str], SimResult], capacities: tuple[int, ...],
+                ref: int, curves: dict[str, list[float]], curve_capacities: tuple[int, ...]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name, ys in curves.items():
+        ax.plot(curve_capacities, ys, marker="o", label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("cache capacity (blocks of 512 tokens)")
+    ax.set_ylabel("block hit rate")
+    ax.set_title("Mooncake trace, one cache: hit rate against capacity")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "hit_rate_vs_capacity.png", dpi=120)
+    plt.close(fig)
+
+    names = ["pooled", *ROUTING]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
+    hit = [routing_rows[(ref, n)].hit_rate for n in names]
+    axes[0].bar(names, hit, color=["#888", "#bbb", "#bbb", "#bbb", "#5aa9e6", "#e0533d"])
+    axes[0].set_title(f"hit rate, 8 nodes x {ref:,} blocks")
+    axes[0].tick_params(axis="x", rotation=30)
+    req = [routing_rows[(ref, n)].max_over_mean_requests for n in names[1:]]
+    pre = [routing_rows[(ref, n)].max_over_mean_prefill for n in names[1:]]
+    x = range(len(names) - 1)
+    axes[1].bar([i - 0.2 for i in x], req, width=0.4, label="requests")
+    axes[1].bar([i + 0.2 for i in x], pre, width=0.4, label="prefill tokens")
+    axes[1].axhline(1.15, color="#e0533d", linestyle="--", linewidth=1, label="1.15")
+    axes[1].set_xticks(list(x), names[1:], rotation=30)
+    axes[1].set_yscale("log")
+    axes[1].set_title("load balance: busiest node / mean")
+    axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "load_balance.png", dpi=120)
+    plt.close(fig)
+
+
