@@ -49,6 +49,9 @@ class NodeSettings(BaseSettings):
     max_running: int = Field(default=32, ge=1, description="Requests decoded together at most.")
     heartbeat_s: float = Field(default=1.0, gt=0, le=2.0, description="NodeStats interval.")
     max_queued_events: int = Field(default=100_000, ge=1, description="Events held while Kafka is away.")
+    max_inflight_batches: int = Field(default=1000, ge=1,
+                                      description="Undelivered batches in the producer before events wait in the "
+                                                  "KV core's queue instead.")
     secondary_offload_min_priority: int = Field(default=35, ge=0, le=101, description="Offload threshold.")
     adaptive: bool = Field(default=False, description="Learned priorities for requests without hints.")
     emit_token_ids: bool = Field(default=False, description="Token ids in stored events.")
@@ -113,7 +116,7 @@ def build_node(s: NodeSettings, kafka: KafkaSettings | None = None, *, sink: Sin
             control = ControlListener(kafka, s.node_id, instance_id)
         else:
             sink = NullSink()
-    publisher = Publisher(core, sink, s.node_id, instance_id)
+    publisher = Publisher(core, sink, s.node_id, instance_id, max_in_flight=s.max_inflight_batches)
     engine = Engine(model=model, tokenizer=tokenizer, core=core, gpu_pool=gpu_pool, host_pool=host_pool,
                     publisher=publisher, node_id=s.node_id, instance_id=instance_id, url=url,
                     model_name=model.cfg.name, max_running=s.max_running, heartbeat_s=s.heartbeat_s,

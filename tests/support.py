@@ -222,3 +222,78 @@ def applied_through_id(url: str, node_id: str, min_blocks: int = 0) -> bool:
 def history_duplicates(url: str, node_id: str) -> int:
     return fetch(url, """SELECT count(*) - count(DISTINCT (instance_id, event_id, seq)) AS d
                          FROM block_events WHERE node_id = $1""", node_id)[0]["d"]
+
+
+# ------------------------------------------------------------------------------ network faults
+
+
+class TcpProxy:
+    """A TCP forwarder a test can cut (every connection dropped, new ones refused) and restore."""
+
+    def __init__(self, target_port: int, listen_port: int | None = None) -> None:
+        import threading
+
+        self.target_port = target_port
+        self.port = listen_port or free_port()
+        self._open = True
+        self._conns: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._server = socket.socket()
+        self._server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._server.bind(("127.0.0.1", self.port))
+        self._server.listen(64)
+        self._stop = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import threading
+
+        while not self._stop:
+            try:
+                client, _ = self._server.accept()
+            except OSError:
+                return
+            if not self._open:
+                client.close()
+                continue
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target_port), timeout=5)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._conns += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data or not self._open:
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+                s.close()
+
+    def cut(self) -> None:
+        self._open = False
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for s in conns:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+    def restore(self) -> None:
+        self._open = True
+
+    def close(self) -> None:
+        self._stop = True
+        self.cut()
+        self._server.close()

@@ -122,7 +122,7 @@ class BenchResult:
 
     def print(self, console: Console | None = None) -> None:
         console = console or Console()
-        table = Table(title=f"kvflow bench {self.benchmark}")
+        table = Table(title=f"kvflow {self.benchmark}" if self.benchmark == "sim" else f"kvflow bench {self.benchmark}")
         table.add_column("kind")
         table.add_column("name")
         table.add_column("value", justify="right")

@@ -16,12 +16,13 @@ from tests.support import ServiceProcess, free_port, kafka_env, wait_for
 pytestmark = pytest.mark.integration
 
 
-def start_node(kafka_settings, tmp_path, node_id: str, **flags: str) -> tuple[ServiceProcess, str]:
+def start_node(kafka_settings, tmp_path, node_id: str, env: dict[str, str] | None = None,
+               **flags: str) -> tuple[ServiceProcess, str]:
     port = free_port()
     args = ["node", "--node-id", node_id, "--port", str(port), "--model-preset", "tiny", "--log-level", "warning"]
     for k, v in flags.items():
         args += [f"--{k.replace('_', '-')}", v]
-    proc = ServiceProcess(args, {**kafka_env(kafka_settings), "KVFLOW_NODE_HEARTBEAT_S": "0.5"},
+    proc = ServiceProcess(args, {**kafka_env(kafka_settings), "KVFLOW_NODE_HEARTBEAT_S": "0.5", **(env or {})},
                           tmp_path / f"{node_id}.log").start()
     url = f"http://127.0.0.1:{port}"
 
