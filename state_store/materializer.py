@@ -50,6 +50,8 @@ from state_store.config import DatabaseSettings
 from state_store.writer import TRANSIENT, Applied, StaleCache, Writer, with_retry
 
 log = logging.getLogger("kvflow.materializer")
+#: A bad message too large for the DLQ is kept truncated to this size.
+DLQ_TRUNCATE_BYTES = 512 * 1024
 
 
 class MaterializerSettings(BaseSettings):
@@ -146,6 +148,7 @@ def build_app(kafka: KafkaSettings | None = None, db: DatabaseSettings | None = 
         web_port=ms.web_port or 6066,
         web_bind=ms.web_host,
         producer_acks=-1,
+        producer_max_request_size=11 * 1024 * 1024,  # the DLQ takes back messages up to 10 MiB
         **_credentials(kafka),
     )
     m = app.kvflow_metrics = Metrics()  # type: ignore[attr-defined]
@@ -166,7 +169,8 @@ def build_app(kafka: KafkaSettings | None = None, db: DatabaseSettings | None = 
         return await with_retry(fn, on_retry=on_retry, reconnect=writer.reset_pool)
 
     async def to_dlq(bad: Sequence[tuple[Any, str, str]]) -> None:
-        futures = []
+        """Each bad message to the DLQ, delivered before the originals are acknowledged. It never
+        raises: a message the DLQ cannot take whole goes truncated (with its size in a header)."""
         for msg, reason, detail in bad:
             m.dlq.labels(reason).inc()
             log.warning("DLQ %s[%s]@%s: %s: %s", msg.topic, msg.partition, msg.offset, reason, detail[:200])
@@ -174,9 +178,19 @@ def build_app(kafka: KafkaSettings | None = None, db: DatabaseSettings | None = 
                        ("kvflow-source-topic", str(msg.topic).encode()),
                        ("kvflow-source-partition", str(msg.partition).encode()),
                        ("kvflow-source-offset", str(msg.offset).encode())]
-            futures.append(await dlq_topic.send(key=msg.key, value=msg.value, headers=headers))
-        for f in futures:
-            await f  # delivered before the originals are acknowledged
+            value = msg.value or b""
+            for attempt in range(2):
+                try:
+                    await (await dlq_topic.send(key=msg.key, value=value, headers=headers))
+                    break
+                except Exception as exc:  # e.g. larger than the DLQ accepts
+                    if attempt == 1:
+                        m.dlq.labels("dlq_send_failed").inc()
+                        log.error("could not put %s[%s]@%s on the DLQ: %s", msg.topic, msg.partition, msg.offset,
+                                  exc)
+                        break
+                    value = value[:DLQ_TRUNCATE_BYTES]
+                    headers = [*headers, ("kvflow-truncated-from-bytes", str(len(msg.value or b"")).encode())]
 
     def record(applied: Applied, seconds: float) -> list[str]:
         """Metrics of a committed transaction; returns the nodes to ask for a snapshot now."""

@@ -205,7 +205,7 @@ def test_a_killed_node_goes_stale_is_avoided_is_cleared_and_restarts_clean(
     mat = materializer(kafka_settings, migrated_database_url, tmp_path, KVFLOW_MATERIALIZER_STALE_AFTER_S="2",
                        KVFLOW_MATERIALIZER_GONE_AFTER_S="5").start()
     a, url_a = start_node(kafka_settings, tmp_path, "node-x", num_blocks="64")
-    b, url_b = start_node(kafka_settings, tmp_path, "node-y", num_blocks="64")
+    b, _url_b = start_node(kafka_settings, tmp_path, "node-y", num_blocks="64")
     router = TestClient(create_app(RouterSettings(nodes_cache_s=0.0), database_url=reader_url))
     try:
         with router:
