@@ -192,6 +192,8 @@ def create_app(settings: RouterSettings | None = None, database_url: str | None 
             status = r["status"]
             if state.suspect_until.get(r["node_id"], 0) > now:
                 status = "suspect"
+            elif not r["url"]:
+                status = "unreachable"  # known from its events only: no heartbeat has said where it is
             inf = state.inflight.get(r["node_id"], Inflight())
             views.append(NodeView(r["node_id"], r["url"] or "", status, r["capacity_gpu"], r["active_blocks"],
                                   r["active_requests"], r["queued_requests"], inf.requests, inf.blocks))

@@ -297,3 +297,13 @@ class TcpProxy:
         self._stop = True
         self.cut()
         self._server.close()
+
+
+def http_ok(url: str) -> bool:
+    """GET url answers 200 (False while it does not answer at all)."""
+    import httpx
+
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

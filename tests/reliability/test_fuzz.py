@@ -12,25 +12,17 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 
 import asyncpg
-import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
 from state_store.config import DatabaseSettings, plain_dsn
 from tests.conftest import _drop_database, _with_database, service_missing
-from tests.support import ServiceProcess, free_port, wait_for
+from tests.support import ServiceProcess, free_port, http_ok, wait_for
 
 pytestmark = pytest.mark.integration
 
 FUZZ = settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
-
-
-def _up(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +33,7 @@ def node_url(tmp_path_factory) -> Iterator[str]:
                           tmp_path_factory.mktemp("fuzz") / "node.log").start()
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_for(lambda: _up(f"{url}/healthz"), 60, what="the node")
+        wait_for(lambda: http_ok(f"{url}/healthz"), 60, what="the node")
         yield url
     finally:
         proc.stop()
@@ -87,7 +79,7 @@ def router_url(node_url, tmp_path_factory) -> Iterator[str]:
                           tmp_path_factory.mktemp("fuzz") / "router.log").start()
     base = f"http://127.0.0.1:{port}"
     try:
-        wait_for(lambda: _up(f"{base}/healthz"), 60, what="the router")
+        wait_for(lambda: http_ok(f"{base}/healthz"), 60, what="the router")
         yield base
     finally:
         proc.stop()
@@ -103,10 +95,10 @@ def fuzz(base_url: str) -> dict[str, int]:
 
         @given(case=op.as_strategy())
         @FUZZ
-        def run(case: schemathesis.Case) -> None:
+        def run(case: schemathesis.Case, label: str = op.label) -> None:
             response = case.call(base_url=base_url, timeout=30)
-            assert response.status_code < 500, (op.label, response.status_code, response.text[:300])
-            seen[op.label] = seen.get(op.label, 0) + 1
+            assert response.status_code < 500, (label, response.status_code, response.text[:300])
+            seen[label] = seen.get(label, 0) + 1
 
         run()
     return seen

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from tests.conftest import REQUIRE_SERVICES
-from tests.support import ServiceProcess, free_port, wait_for
+from tests.support import ServiceProcess, free_port, http_ok, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -36,7 +36,7 @@ def test_the_dashboard_shows_nodes_composition_hit_rates_and_decisions(fleet, re
                             {"KVFLOW_DATABASE_READER_URL": reader_url}, tmp_path / "router.log").start()
     base = f"http://127.0.0.1:{port}"
     try:
-        wait_for(lambda: _ok(f"{base}/healthz"), 30, what="the router")
+        wait_for(lambda: http_ok(f"{base}/healthz"), 30, what="the router")
         for i in range(6):  # some traffic, with a pinned system prompt
             body = {"prompt": "system prompt of the dashboard test. " * 4 + f"question {i % 3}", "max_tokens": 2,
                     "kv_retention": {"token_ranges": [{"start": 0, "end": 128, "priority": 100}]}}
@@ -63,10 +63,3 @@ def test_the_dashboard_shows_nodes_composition_hit_rates_and_decisions(fleet, re
         shutil.copyfile(shot, ARTIFACTS / "dashboard.png")
     finally:
         router.stop()
-
-
-def _ok(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
