@@ -10,6 +10,7 @@ import asyncio
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
+from typing import Any
 
 import asyncpg
 import pytest
@@ -92,16 +93,19 @@ def fuzz(base_url: str) -> dict[str, int]:
     seen: dict[str, int] = {}
     for result in schema.get_all_operations():
         op = result.ok()
-
-        @given(case=op.as_strategy())
-        @FUZZ
-        def run(case: schemathesis.Case, label: str = op.label) -> None:
-            response = case.call(base_url=base_url, timeout=30)
-            assert response.status_code < 500, (label, response.status_code, response.text[:300])
-            seen[label] = seen.get(label, 0) + 1
-
-        run()
+        check(base_url, op.as_strategy(), op.label, seen)
     return seen
+
+
+def check(base_url: str, strategy: Any, label: str, seen: dict[str, int]) -> None:
+    @given(case=strategy)
+    @FUZZ
+    def run(case: schemathesis.Case) -> None:
+        response = case.call(base_url=base_url, timeout=30)
+        assert response.status_code < 500, (label, response.status_code, response.text[:300])
+        seen[label] = seen.get(label, 0) + 1
+
+    run()
 
 
 def test_the_node_never_answers_5xx(node_url):
