@@ -16,7 +16,8 @@ Dynamo's cost, extended (DESIGN.md, "Routing cost")::
 Nodes that are ``stale``, ``gone``, ``suspect`` or ``unreachable`` are never chosen; a
 ``resyncing`` node's holdings are not trusted (it may be chosen for its load, with no prefix
 credit). Nodes over the load threshold are filtered out first (unless all are). The lowest cost
-wins; ties go to the lower load, then the node id. With ``temperature > 0`` the choice is sampled with probability ∝ exp(−Δcost / T).
+wins; ties go to the lower load, then the node id. With ``temperature > 0`` the choice is sampled
+with probability ∝ exp(−Δcost / T).
 """
 
 from __future__ import annotations
