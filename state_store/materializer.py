@@ -35,7 +35,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from eventbus.config import Environment, KafkaSettings, RuntimeSettings
+from eventbus.config import Environment, KafkaSecurityProtocol, KafkaSettings, RuntimeSettings
 from eventbus.protocol import (
     ControlCommand,
     EventBatch,
@@ -106,13 +106,16 @@ def _credentials(k: KafkaSettings) -> dict[str, Any]:
     """faust/aiokafka settings for the same security configuration the librdkafka clients use."""
     if not k.uses_sasl and k.security_protocol.value != "SSL":
         return {}
-    context = ssl.create_default_context(cafile=k.ssl_ca_location) if k.ssl_ca_location else None
+    tls = k.security_protocol in (KafkaSecurityProtocol.SSL, KafkaSecurityProtocol.SASL_SSL)
+    # faust picks SASL_SSL over SASL_PLAINTEXT by the presence of an SSL context, so TLS always gets one
+    # (the system's trust store unless a CA file is named).
+    context = ssl.create_default_context(cafile=k.ssl_ca_location) if tls else None
     if k.uses_sasl:
         return {"broker_credentials": faust.SASLCredentials(
             username=k.sasl_username or "",
             password=k.sasl_password.get_secret_value() if k.sasl_password else "",
             mechanism=k.sasl_mechanism, ssl_context=context)}
-    return {"broker_credentials": faust.SSLCredentials(context or ssl.create_default_context())}
+    return {"broker_credentials": faust.SSLCredentials(context)}
 
 
 def build_app(kafka: KafkaSettings | None = None, db: DatabaseSettings | None = None,

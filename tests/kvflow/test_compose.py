@@ -48,3 +48,28 @@ def test_compose_refuses_to_start_without_secrets():
     proc = _compose("config", env={})
     assert proc.returncode != 0
     assert "required variable" in proc.stderr and "is missing a value" in proc.stderr
+
+
+def test_sasl_override_puts_every_kafka_client_on_scram_over_tls():
+    env = {**SECRETS, "KVFLOW_KAFKA_PASSWORD": "kafka-pw"}
+    proc = _compose("-f", "docker-compose.yml", "-f", "docker-compose.sasl.yml", "config", "--format", "json", env=env)
+    assert proc.returncode == 0, proc.stderr
+    services = json.loads(proc.stdout)["services"]
+    kafka_env = services["kafka"]["environment"]
+    assert kafka_env["KAFKA_LISTENER_SECURITY_PROTOCOL_MAP"] == "CONTROLLER:PLAINTEXT,INTERNAL:PLAINTEXT,SASL_SSL:SASL_SSL"
+    assert kafka_env["KAFKA_SASL_ENABLED_MECHANISMS"] == "SCRAM-SHA-512"
+    for name in ("topics", "materializer", "node-a", "node-b"):
+        env_ = services[name]["environment"]
+        assert env_["KVFLOW_KAFKA_BOOTSTRAP"] == "kafka:9094", name
+        assert env_["KVFLOW_KAFKA_SECURITY_PROTOCOL"] == "SASL_SSL", name
+        assert env_["KVFLOW_KAFKA_SASL_PASSWORD_FILE"] == "/run/secrets/kafka_password", name
+        assert "KVFLOW_KAFKA_SASL_PASSWORD" not in env_, name  # the password travels as a secret only
+        assert services[name]["depends_on"]["kafka-users"]["condition"] == "service_completed_successfully", name
+    assert "KVFLOW_KAFKA_SECURITY_PROTOCOL" not in services["router"].get("environment", {})
+    assert services["node-a"]["environment"]["KVFLOW_NODE_API_KEYS"] == "nodekey"
+
+
+def test_sasl_override_requires_the_kafka_password():
+    proc = _compose("-f", "docker-compose.yml", "-f", "docker-compose.sasl.yml", "config", env=SECRETS)
+    assert proc.returncode != 0
+    assert "KVFLOW_KAFKA_PASSWORD" in proc.stderr
