@@ -56,7 +56,8 @@ def test_sasl_override_puts_every_kafka_client_on_scram_over_tls():
     assert proc.returncode == 0, proc.stderr
     services = json.loads(proc.stdout)["services"]
     kafka_env = services["kafka"]["environment"]
-    assert kafka_env["KAFKA_LISTENER_SECURITY_PROTOCOL_MAP"] == "CONTROLLER:PLAINTEXT,INTERNAL:PLAINTEXT,SASL_SSL:SASL_SSL"
+    protocol_map = kafka_env["KAFKA_LISTENER_SECURITY_PROTOCOL_MAP"]
+    assert protocol_map == "CONTROLLER:PLAINTEXT,INTERNAL:PLAINTEXT,SASL_SSL:SASL_SSL"
     assert kafka_env["KAFKA_SASL_ENABLED_MECHANISMS"] == "SCRAM-SHA-512"
     for name in ("topics", "materializer", "node-a", "node-b"):
         env_ = services[name]["environment"]
