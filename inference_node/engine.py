@@ -167,6 +167,9 @@ class Engine:
     def submit(self, req: GenerationRequest, loop: asyncio.AbstractEventLoop) -> RequestHandle:
         handle = RequestHandle(req.request_id, loop)
         with self._wake:
+            if self.fatal is not None:  # a crashed engine answers at once instead of queueing forever
+                handle.put(Output(None, True, "error", error=f"engine crashed: {self.fatal}"))
+                return handle
             self._waiting.append((req, handle))
             self._wake.notify()
         return handle
@@ -180,6 +183,9 @@ class Engine:
         """Run ``fn`` on the engine thread between steps (for reads of the core)."""
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
         with self._wake:
+            if self.fatal is not None:
+                fut.set_exception(RuntimeError(f"engine crashed: {self.fatal}"))
+                return fut
             self._calls.append((fn, fut))
             self._wake.notify()
         return fut
@@ -205,13 +211,18 @@ class Engine:
                             self._wake.wait(timeout=0.05)
         except BaseException as exc:  # the node is broken: say so on every open request
             log.exception("engine crashed")
-            self.fatal = exc
+            with self._wake:  # submit() and call() check `fatal` under the same lock: none is left waiting
+                self.fatal = exc
+                waiting, self._waiting = self._waiting, collections.deque()
+                calls, self._calls = self._calls, collections.deque()
             for r in list(self._running.values()):
                 r.handle.put(Output(None, True, "error", error=f"engine crashed: {exc}"))
-            while self._waiting:
-                _, h = self._waiting.popleft()
+            for _, h in waiting:
                 h.put(Output(None, True, "error", error=f"engine crashed: {exc}"))
-            raise
+            for _, fut in calls:
+                if fut.set_running_or_notify_cancel():
+                    fut.set_exception(RuntimeError(f"engine crashed: {exc}"))
+            # Logged and kept in `fatal`; /healthz reports it. The thread ends here.
         finally:
             self._serve_calls()
 

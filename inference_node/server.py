@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from eventbus.api import CompletionRequest
+from eventbus.http import BodyLimit
 from inference_node.engine import Engine, GenerationRequest, Output
 from inference_node.kv.retention import KvCacheRetentionConfig, RetentionConfigError, TokenRange
 from inference_node.node import Node
@@ -80,12 +81,7 @@ def create_app(node: Node) -> FastAPI:
 
     auth = [Depends(authorize)]
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next: Any) -> Any:
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > s.max_request_bytes):
-            return _error(413, f"request body larger than {s.max_request_bytes} bytes")
-        return await call_next(request)
+    app.add_middleware(BodyLimit, max_bytes=s.max_request_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -113,12 +109,21 @@ def create_app(node: Node) -> FastAPI:
         return {"object": "list", "data": [{"id": node.model.cfg.name, "object": "model", "owned_by": "kvflow",
                                             "max_model_len": node.model.cfg.max_position_embeddings}]}
 
+    async def on_engine(fn: Any) -> Any:
+        """Run ``fn`` on the engine thread; a crashed engine is a 503, never a hang."""
+        try:
+            return await asyncio.wrap_future(engine.call(fn))
+        except RuntimeError as exc:
+            if engine.fatal is None:
+                raise
+            raise HTTPException(503, str(exc)) from exc
+
     @app.get("/v1/kv/state", dependencies=auth)
     async def kv_state() -> Response:
         def snap() -> tuple[int, list[Any]]:
             return node.core.last_event_id, node.core.cached_blocks()
 
-        last, blocks = await asyncio.wrap_future(engine.call(snap))
+        last, blocks = await on_engine(snap)
         body = msgspec.json.encode({"node_id": s.node_id, "instance_id": node.instance_id,
                                     "last_event_id": last, "blocks": blocks})
         return Response(content=body, media_type="application/json")
@@ -142,7 +147,7 @@ def create_app(node: Node) -> FastAPI:
                 out["adaptive"] = core.config.adaptive.describe()
             return out
 
-        return await asyncio.wrap_future(engine.call(collect))
+        return await on_engine(collect)
 
     @app.get("/metrics")
     async def prom() -> Response:

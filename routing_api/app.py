@@ -37,6 +37,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from eventbus.api import CompletionRequest, RouteRequest
 from eventbus.config import Environment, RuntimeSettings
 from eventbus.hashing import prompt_sql_hashes
+from eventbus.http import BodyLimit
 from eventbus.tokenizers import Tokenizer, load_tokenizer
 from routing_api.config import ApiKey, RouterSettings, parse_api_keys
 from routing_api.queries import StateReader
@@ -84,23 +85,6 @@ class Metrics:
         self.proxied = Counter("kvflow_router_proxied_total", "Completions proxied", ["node", "outcome"], registry=r)
         self.inflight = Gauge("kvflow_router_inflight_requests", "Proxied requests not finished", ["node"],
                               registry=r)
-
-
-class BodyLimit:
-    """Refuse bodies over a size with 413 before they are read (plain ASGI: no per-request task)."""
-
-    def __init__(self, app: Any, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
-            for name, value in scope["headers"]:
-                if name == b"content-length" and (not value.isdigit() or int(value) > self.max_bytes):
-                    response = _error(413, f"request body larger than {self.max_bytes} bytes")
-                    await response(scope, receive, send)
-                    return
-        await self.app(scope, receive, send)
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error", **extra: Any) -> JSONResponse:

@@ -91,6 +91,15 @@ def test_wrong_content_type_and_oversized_bodies_are_refused(client):
                     headers={"content-type": "application/json"})
     assert r.status_code == 413
 
+    def chunked():  # no Content-Length: the limit counts the bytes as they are read
+        yield b"{"
+        for _ in range(5 * 1024):
+            yield b" " * 1024
+        yield b"}"
+
+    r = client.post("/v1/completions", content=chunked(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "request body larger than" in r.json()["error"]["message"]
+
 
 def test_api_keys_when_configured():
     node = make_node(api_keys=SecretStr("k1,k2"))
@@ -106,3 +115,25 @@ def test_api_keys_when_configured():
             assert c.get("/healthz").status_code == 200  # health stays open for probes
     finally:
         node.close()
+
+
+def test_a_crashed_engine_answers_503_at_once_and_never_hangs(client):
+    engine = client.node.engine
+    assert client.post("/v1/completions", json={"prompt": "before", "max_tokens": 1}).status_code == 200
+
+    def boom() -> None:
+        raise RuntimeError("boom: a device fault")
+
+    engine._housekeeping = boom  # the next loop iteration dies (a stand-in for a CUDA error)
+    with engine._wake:
+        engine._wake.notify()
+    engine._thread.join(10)
+    assert not engine._thread.is_alive() and engine.fatal is not None
+
+    assert client.get("/healthz").status_code == 503
+    for _ in range(3):  # every later request gets its answer, not a hang
+        r = client.post("/v1/completions", json={"prompt": "after", "max_tokens": 1})
+        assert r.status_code == 503 and "engine crashed: boom" in r.json()["error"]["message"]
+    for path in ("/v1/kv/state", "/v1/kv/stats"):
+        r = client.get(path)
+        assert r.status_code == 503 and "boom" in r.json()["error"]["message"], path

@@ -38,6 +38,18 @@ def test_the_router_answers_401_without_a_key_and_403_without_the_scope(reader_u
         assert denied.status_code == 403 and "lacks the 'read' scope" in denied.json()["error"]["message"]
         assert c.post("/v1/completions", json={"prompt": "x"},
                       headers={"authorization": "Bearer routeonly"}).status_code == 403
+
+
+@pytest.mark.integration
+def test_the_router_refuses_oversized_bodies_declared_or_chunked(reader_url):
+    app = create_app(RouterSettings(max_request_bytes=10_000), database_url=reader_url)
+    big = b'{"prompt": "' + b"x" * 20_000 + b'"}'
+    with TestClient(app) as c:
+        assert c.post("/v1/route", content=big, headers={"content-type": "application/json"}).status_code == 413
+        r = c.post("/v1/route", content=iter([big[i:i + 1000] for i in range(0, len(big), 1000)]),
+                   headers={"content-type": "application/json"})
+        assert r.status_code == 413, r.text
+        assert r.json()["error"]["message"] == "request body larger than 10000 bytes"
         assert c.get("/v1/nodes", headers={"authorization": "Bearer full"}).status_code == 200
         assert c.get("/healthz").status_code == 200  # probes stay open
 
