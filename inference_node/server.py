@@ -19,8 +19,8 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 import msgspec
 from fastapi import Depends, FastAPI, HTTPException, Request
@@ -35,6 +35,7 @@ from inference_node.kv.retention import KvCacheRetentionConfig, RetentionConfigE
 from inference_node.node import Node
 
 log = logging.getLogger("kvflow.node.server")
+T = TypeVar("T")
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
@@ -109,7 +110,7 @@ def create_app(node: Node) -> FastAPI:
         return {"object": "list", "data": [{"id": node.model.cfg.name, "object": "model", "owned_by": "kvflow",
                                             "max_model_len": node.model.cfg.max_position_embeddings}]}
 
-    async def on_engine(fn: Any) -> Any:
+    async def on_engine(fn: Callable[[], T]) -> T:
         """Run ``fn`` on the engine thread; a crashed engine is a 503, never a hang."""
         try:
             return await asyncio.wrap_future(engine.call(fn))
