@@ -38,6 +38,11 @@ MAX_BATCH_BYTES: Final = 8 * 1024 * 1024
 #: Largest number of events in one batch, and of blocks in one event.
 MAX_EVENTS_PER_BATCH: Final = 100_000
 MAX_BLOCKS_PER_EVENT: Final = 1_000_000
+#: Blocks a producer puts in one ``snapshot`` part or one ``removed`` event at most: ~2 MiB of
+#: JSON, so that any event fits in a batch a consumer accepts, whatever the cache size.
+EVENT_BLOCKS_CHUNK: Final = 16_384
+#: Encoded size a producer keeps its batches under (half of what consumers accept).
+PUBLISH_BATCH_BYTES: Final = MAX_BATCH_BYTES // 2
 #: Bounds that catch absurd values early (a block of a million tokens is a bug, not a model).
 MAX_BLOCK_TOKENS: Final = 1 << 16
 MAX_WINDOW_SIZE: Final = 1 << 31
@@ -151,9 +156,21 @@ class Updated(_Strict, tag="updated", tag_field="type"):
 
 
 class Snapshot(_Strict, tag="snapshot", tag_field="type"):
-    """The node's whole cache as of this event (kvflow extension): replaces the node's state."""
+    """The node's whole cache as of this event (kvflow extension): replaces the node's state.
+
+    A cache larger than :data:`EVENT_BLOCKS_CHUNK` blocks goes in ``parts`` consecutive events
+    (consecutive event ids): part 0 replaces the state with its blocks and heals any gap before
+    it; parts 1 … parts-1 add theirs, like any other event (a gap before one is a gap). The
+    snapshot is whole after its last part; parents always come before their children.
+    """
 
     blocks: Annotated[list[SnapshotBlock], Meta(max_length=MAX_BLOCKS_PER_EVENT)]
+    part: Annotated[int, Meta(ge=0)] = 0
+    parts: Annotated[int, Meta(ge=1)] = 1
+
+    def __post_init__(self) -> None:
+        if self.part >= self.parts:
+            raise ValueError(f"snapshot part {self.part} of {self.parts}: parts are numbered 0 … parts-1")
 
 
 EventData = Created | Stored | Removed | Updated | Snapshot

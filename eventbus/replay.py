@@ -49,17 +49,21 @@ class NodeState:
         return self
 
     def apply(self, ev: Event) -> None:
-        if ev.event_id != self.last_event_id + 1 and not isinstance(ev.data, Snapshot):
-            raise ReplayError(f"event {ev.event_id} after {self.last_event_id}: events were missed")
         d = ev.data
+        heals = isinstance(d, Snapshot) and d.part == 0  # the first part of a snapshot: the whole state anew
+        if ev.event_id != self.last_event_id + 1 and not heals:
+            raise ReplayError(f"event {ev.event_id} after {self.last_event_id}: events were missed")
         if isinstance(d, Created):
             self.blocks.clear()
             self.capacity = tuple(d.num_blocks_per_cache_level)
         elif isinstance(d, Snapshot):
-            self.blocks = {
-                b.block_hash: BlockState(b.parent_hash, b.num_tokens, b.lora_id, b.cache_level, b.priority)
-                for b in d.blocks
-            }
+            if heals:
+                self.blocks = {}
+            for sb in d.blocks:
+                if sb.block_hash in self.blocks:
+                    raise ReplayError(f"event {ev.event_id}: block {sb.block_hash} twice in one snapshot")
+                self.blocks[sb.block_hash] = BlockState(sb.parent_hash, sb.num_tokens, sb.lora_id, sb.cache_level,
+                                                        sb.priority)
         elif isinstance(d, Stored):
             parent = d.parent_hash
             for b in d.blocks:

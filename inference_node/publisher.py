@@ -10,6 +10,8 @@ A Kafka outage never stalls inference. The publisher stops draining while the si
 than ``max_in_flight`` undelivered batches, so events wait in the core's bounded queue; if that
 overflows, the core replaces what it queued by a ``snapshot`` (and counts the loss), which is
 published once Kafka is back. A batch that the broker finally refuses also triggers a snapshot.
+Batches stay under ``PUBLISH_BATCH_BYTES`` encoded (a large snapshot comes in parts, see
+``eventbus.protocol.Snapshot``), so consumers never refuse one for its size.
 """
 
 from __future__ import annotations
@@ -22,7 +24,19 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from eventbus.config import KafkaSettings
-from eventbus.protocol import ControlCommand, EventBatch, NodeStats, ProtocolError, decode_control, encode
+from eventbus.protocol import (
+    PUBLISH_BATCH_BYTES,
+    ControlCommand,
+    Event,
+    EventBatch,
+    NodeStats,
+    ProtocolError,
+    Removed,
+    Snapshot,
+    Stored,
+    decode_control,
+    encode,
+)
 from inference_node.kv.manager import KVCacheManager
 
 log = logging.getLogger("kvflow.publisher")
@@ -127,12 +141,20 @@ class KafkaSink:
         self._produce(self.settings.stats_topic, encode(stats), None)
 
     def _produce(self, topic: str, value: bytes, cb: Any) -> None:
+        from confluent_kafka import KafkaException
+
         while True:
             try:
                 self.producer.produce(topic, key=self.key, value=value, on_delivery=cb)
                 return
             except BufferError:  # librdkafka's own queue is full: serve callbacks, try again
                 self.producer.poll(0.05)
+            except KafkaException as exc:  # refused at once (e.g. too large): lost, like a failed delivery
+                self.last_error = str(exc)
+                log.error("message to %s refused (%d bytes): %s", topic, len(value), exc)
+                if cb is not None:
+                    self._failed += 1
+                return
 
     def poll(self) -> None:
         self.producer.poll(0)
@@ -155,13 +177,14 @@ class Publisher:
 
     def __init__(self, core: KVCacheManager, sink: Sink, node_id: str, instance_id: str, *,
                  max_events_per_batch: int = 2000, max_in_flight: int = 1000,
-                 clock: Callable[[], float] = time.time) -> None:
+                 max_batch_bytes: int = PUBLISH_BATCH_BYTES, clock: Callable[[], float] = time.time) -> None:
         self.core = core
         self.sink = sink
         self.node_id = node_id
         self.instance_id = instance_id
         self.max_events_per_batch = max_events_per_batch
         self.max_in_flight = max_in_flight
+        self.max_batch_bytes = max_batch_bytes
         self.clock = clock
         self.batches_sent = 0
         self.events_sent = 0
@@ -184,14 +207,34 @@ class Publisher:
             events = self.core.drain_events(self.max_events_per_batch)
             if not events:
                 break
-            batch = EventBatch(schema_version=1, node_id=self.node_id, instance_id=self.instance_id,
-                               ts=self.clock(), events=events)
-            self.sink.send_batch(batch)
-            self.batches_sent += 1
+            self._send(events)
             sent += len(events)
             self.last_sent_event_id = events[-1].event_id
         self.events_sent += sent
         return sent
+
+    def _send(self, events: list[Event]) -> None:
+        """One batch, or several in order when it would encode larger than ``max_batch_bytes``."""
+        batch = EventBatch(schema_version=1, node_id=self.node_id, instance_id=self.instance_id,
+                           ts=self.clock(), events=events)
+        # Measuring costs an encode; only batches with many blocks can be near the limit (a block
+        # takes at most ~1 KiB of JSON, with its token ids).
+        if len(events) > 1 and _blocks(events) * 1024 > self.max_batch_bytes \
+                and len(encode(batch)) > self.max_batch_bytes:
+            mid = len(events) // 2
+            self._send(events[:mid])
+            self._send(events[mid:])
+            return
+        self.sink.send_batch(batch)
+        self.batches_sent += 1
+
+
+def _blocks(events: list[Event]) -> int:
+    n = 0
+    for e in events:
+        d = e.data
+        n += len(d.block_hashes) if isinstance(d, Removed) else len(d.blocks) if isinstance(d, Stored | Snapshot) else 1
+    return n
 
 
 class ControlListener:

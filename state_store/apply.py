@@ -179,13 +179,15 @@ class NodeCache:
 class _NodeView:
     """A node's blocks during planning: what the run changed, falling back to what SQL holds."""
 
-    __slots__ = ("changed", "known", "node_id", "reset")
+    __slots__ = ("before", "changed", "known", "node_id", "reset")
 
     def __init__(self, node_id: str, known: KnownBlocks) -> None:
         self.node_id = node_id
         self.known = known
         self.changed: dict[int, BlockRow | None] = {}  # None: deleted in this run
         self.reset = False
+        #: the view as it was before the last clear, while the parts of a snapshot still come
+        self.before: tuple[dict[int, BlockRow | None], bool] | None = None
 
     def get(self, h: int) -> BlockRow | None:
         if h in self.changed:
@@ -194,8 +196,17 @@ class _NodeView:
             return None
         return self.known.get((self.node_id, h))
 
-    def clear(self) -> None:
-        self.changed.clear()
+    def get_before(self, h: int) -> BlockRow | None:
+        if self.before is None:
+            return None
+        changed, reset = self.before
+        if h in changed:
+            return changed[h]
+        return None if reset else self.known.get((self.node_id, h))
+
+    def clear(self, keep_before: bool = False) -> None:
+        self.before = (dict(self.changed), self.reset) if keep_before else None
+        self.changed = {}
         self.reset = True
 
 
@@ -261,13 +272,13 @@ class Planner:
             status = _resync(out, node)
         for ev in events:
             d = ev.data
-            if isinstance(d, (Snapshot, Created)):  # the whole state: heals any gap
+            if isinstance(d, Created) or (isinstance(d, Snapshot) and d.part == 0):  # the whole state anew
                 status = LIVE
                 # A block the snapshot re-asserts keeps the time it was first stored.
                 since = {} if isinstance(d, Created) else {
                     h: cur.stored_at for sb in d.blocks
                     if (cur := view.get(h := to_sql(sb.block_hash))) is not None}
-                view.clear()
+                view.clear(keep_before=isinstance(d, Snapshot) and d.parts > 1)
                 out.resets.add(node)
                 if isinstance(d, Created):
                     caps = list(d.num_blocks_per_cache_level) + [0, 0]
@@ -275,11 +286,19 @@ class Planner:
                     out.history.append(_row(row, ev.event_id, 0, "created", None, None, None, None, None, None,
                                             None, None, None, batch_ts))
                     continue
+            if isinstance(d, Snapshot):
+                if d.part > 0:  # adds to part 0; while resyncing (part 0 was missed) it is history only
+                    # Blocks keep the time they were first stored, as in part 0; a part planned in a
+                    # later transaction than its part 0 no longer sees it (the time of this batch then).
+                    since = {h: cur.stored_at for sb in d.blocks
+                             if (cur := view.get_before(h := to_sql(sb.block_hash))) is not None}
+                applying = status != RESYNCING
                 for seq, sb in enumerate(d.blocks):
                     h = to_sql(sb.block_hash)
                     p = to_sql(sb.parent_hash) if sb.parent_hash is not None else None
-                    view.changed[h] = BlockRow(node, h, p, sb.cache_level, sb.priority, sb.num_tokens, sb.lora_id,
-                                               ev.window_size, since.get(h, batch_ts), batch_ts)
+                    if applying:
+                        view.changed[h] = BlockRow(node, h, p, sb.cache_level, sb.priority, sb.num_tokens,
+                                                   sb.lora_id, ev.window_size, since.get(h, batch_ts), batch_ts)
                     out.history.append(_row(row, ev.event_id, seq, "snapshot", h, p, None, sb.cache_level, None,
                                             sb.priority, sb.num_tokens, sb.lora_id, None, batch_ts))
                 if not d.blocks:

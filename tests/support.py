@@ -114,13 +114,15 @@ class CoreNode:
     SEGMENTS: ClassVar[list[list[int]]] = [list(range(s, s + 4)) for s in range(0, 400, 10)]
 
     def __init__(self, kafka: KafkaSettings | None, node_id: str, *, gpu: int = 24, host: int = 16, seed: int = 0,
-                 instance_id: str | None = None, max_queued_events: int = 100_000) -> None:
+                 instance_id: str | None = None, max_queued_events: int = 100_000,
+                 snapshot_part_blocks: int = 16_384) -> None:
         """``kafka=None``: batches stay in an InMemorySink (``self.sink.batches``)."""
         self.node_id = node_id
         self.instance_id = instance_id or uuid.uuid4().hex
         self.clock = ManualClock()
         self.core = KVCacheManager(KvCacheConfig(num_gpu_blocks=gpu, num_host_blocks=host, block_size=4,
-                                                 window_size=64, max_queued_events=max_queued_events),
+                                                 window_size=64, max_queued_events=max_queued_events,
+                                                 snapshot_part_blocks=snapshot_part_blocks),
                                    clock=self.clock)
         self.sink: Any = KafkaSink(kafka, node_id) if kafka is not None else InMemorySink()
         self.publisher = Publisher(self.core, self.sink, node_id, self.instance_id, max_events_per_batch=7)

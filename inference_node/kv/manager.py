@@ -43,6 +43,7 @@ from typing import Final, Literal
 from eventbus.hashing import block_digest, block_hash
 from eventbus.protocol import (
     DEFAULT_PRIORITY,
+    EVENT_BLOCKS_CHUNK,
     BlockDigest,
     BlockHash,
     Created,
@@ -85,6 +86,8 @@ class KvCacheConfig:
     max_queued_events: int = 100_000
     #: Put the token ids of each block into ``stored`` events.
     emit_token_ids: bool = False
+    #: Blocks per ``snapshot`` part (a larger cache is sent in several parts).
+    snapshot_part_blocks: int = EVENT_BLOCKS_CHUNK
     #: Assign priorities from observed reuse to requests without a retention config.
     adaptive: AdaptivePolicy | None = None
 
@@ -99,6 +102,8 @@ class KvCacheConfig:
             raise ValueError("secondary_offload_min_priority must be within 0..101 (101: never offload)")
         if self.max_queued_events < 1:
             raise ValueError("max_queued_events must be at least 1")
+        if self.snapshot_part_blocks < 1:
+            raise ValueError("snapshot_part_blocks must be at least 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -710,7 +715,7 @@ class KVCacheManager:
         b.exp_version += 1
         # Consecutive removals within one operation share one `removed` event: `_emit` closes
         # the open list whenever another event comes in between.
-        if self._open_removed is not None:
+        if self._open_removed is not None and len(self._open_removed) < EVENT_BLOCKS_CHUNK:
             self._open_removed.append(b.hash)
         else:
             hashes: list[int] = [b.hash]
@@ -735,13 +740,13 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ internals: events
 
-    def _emit(self, data: EventData) -> None:
+    def _emit(self, data: EventData, *, always: bool = False) -> None:
         self._open_removed = None
         if self._overflowed:
             self.stats.events_overflowed += 1
             return
         q = self._events
-        if len(q) >= self.config.max_queued_events:
+        if len(q) >= self.config.max_queued_events and not always:
             # Overflow: drop what is queued (never delivered, so its ids are reused) and owe the
             # consumer a snapshot at the next drain.
             self.stats.events_overflowed += len(q) + 1
@@ -754,8 +759,16 @@ class KVCacheManager:
         self.stats.events_emitted += 1
 
     def _emit_snapshot(self) -> None:
+        """The whole cache, in parts of at most ``EVENT_BLOCKS_CHUNK`` blocks (one part when it fits).
+
+        The parts are queued even past ``max_queued_events``: they replace what overflowed, and
+        refusing them would only owe the consumer another snapshot."""
         self.stats.snapshots += 1
-        self._emit(Snapshot(blocks=self.cached_blocks()))
+        blocks = self.cached_blocks()
+        step = self.config.snapshot_part_blocks
+        parts = max(1, -(-len(blocks) // step))
+        for part in range(parts):
+            self._emit(Snapshot(blocks=blocks[part * step:(part + 1) * step], part=part, parts=parts), always=True)
 
     def _close_removed(self) -> None:
         self._open_removed = None

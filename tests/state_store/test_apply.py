@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
+import pytest
+
 from eventbus import protocol as p
 from state_store.apply import LIVE, RESYNCING, BlockRow, NodeRow, blocks_to_look_up, plan, ts
 
@@ -144,3 +146,50 @@ def test_a_gone_node_that_speaks_again_needs_a_snapshot():
     node = NodeRow("n", "i1", 3, "stale", ts(T0))
     out = plan([batch("n", "i1", 4, stored(None, 1))], {"n": node}, {})
     assert out.nodes["n"].status == LIVE and set(out.upserts) == {("n", 1)}
+
+
+def snap_part(part: int, parts: int, *blocks: tuple[int, int | None]) -> p.Snapshot:
+    return p.Snapshot(blocks=[p.SnapshotBlock(block_hash=h, parent_hash=par, num_tokens=4, priority=50)
+                              for h, par in blocks], part=part, parts=parts)
+
+
+def test_a_snapshot_in_parts_replaces_the_state_once_and_keeps_stored_times():
+    then = datetime(2026, 1, 1, tzinfo=UTC)
+    node = NodeRow("n", "i1", 9, LIVE, ts(T0))
+    known = {("n", h): BlockRow("n", h, None, 0, 50, 4, None, 64, then, then) for h in (1, 3, 99)}
+    b = batch("n", "i1", 10, snap_part(0, 3, (1, None), (2, None)), snap_part(1, 3, (3, 1)),
+              snap_part(2, 3, (4, 3)))
+    assert blocks_to_look_up([b]) == {("n", h) for h in (1, 2, 3, 4)}
+    out = plan([b], {"n": node}, known)
+    assert out.resets == {"n"}  # block 99 goes: the snapshot does not hold it
+    assert set(out.upserts) == {("n", h) for h in (1, 2, 3, 4)}
+    assert {h: out.upserts[("n", h)].stored_at for h in (1, 2, 3, 4)} == {1: then, 2: ts(T0), 3: then, 4: ts(T0)}
+    assert out.upserts[("n", 4)].parent_hash == 3
+    assert out.nodes["n"].last_event_id == 12 and out.nodes["n"].status == LIVE
+    assert [(r[2], r[3], r[4], r[5]) for r in out.history] == [
+        (10, 0, "snapshot", 1), (10, 1, "snapshot", 2), (11, 0, "snapshot", 3), (12, 0, "snapshot", 4)]
+
+
+def test_the_later_parts_of_a_snapshot_in_a_later_transaction_add_to_it():
+    node = NodeRow("n", "i1", 9, LIVE, ts(T0))
+    first = plan([batch("n", "i1", 10, snap_part(0, 2, (1, None)))], {"n": node}, {})
+    assert first.resets == {"n"} and set(first.upserts) == {("n", 1)}
+    row1 = first.upserts[("n", 1)]
+    second = plan([batch("n", "i1", 11, snap_part(1, 2, (2, 1)), at=T0 + 1)], {"n": first.nodes["n"]},
+                  {("n", 1): row1})
+    assert second.resets == set()  # no second reset: part 1 adds
+    assert set(second.upserts) == {("n", 2)} and second.upserts[("n", 2)].stored_at == ts(T0 + 1)
+    assert second.nodes["n"].last_event_id == 11 and second.resync == set()
+
+
+def test_a_later_part_whose_first_part_was_missed_is_only_recorded():
+    node = NodeRow("n", "i1", 9, LIVE, ts(T0))
+    out = plan([batch("n", "i1", 11, snap_part(1, 2, (2, 1)))], {"n": node}, {})  # part 0 (event 10) missed
+    assert out.nodes["n"].status == RESYNCING and out.resync == {"n"} and out.counts.gaps == 1
+    assert out.upserts == {} and out.resets == set()
+    assert [(r[2], r[4], r[5]) for r in out.history] == [(11, "snapshot", 2)]
+
+
+def test_snapshot_parts_are_numbered_within_their_count():
+    with pytest.raises(ValueError, match="parts are numbered"):
+        p.Snapshot(blocks=[], part=2, parts=2)

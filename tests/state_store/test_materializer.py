@@ -52,13 +52,17 @@ class Recorder:
 
 
 def test_random_workloads_of_three_nodes_materialize_exactly(kafka_settings, migrated_database_url, tmp_path):
-    nodes = [CoreNode(kafka_settings, f"node-{i}", seed=i) for i in range(3)]
+    # node-2 sends its snapshots in parts of 3 blocks, and is asked for one every 40 steps.
+    nodes = [CoreNode(kafka_settings, f"node-{i}", seed=i, snapshot_part_blocks=3 if i == 2 else 16_384)
+             for i in range(3)]
     recs = [Recorder(n) for n in nodes]
     mat = materializer(kafka_settings, migrated_database_url, tmp_path).start()
     try:
-        for _ in range(300):
+        for step in range(300):
             for n in nodes:
                 n.step()
+            if step % 40 == 39:
+                nodes[2].core.request_snapshot()
         for n in nodes:
             n.finish()
         wait_for(lambda: all(applied_through(migrated_database_url, n) for n in nodes), 90,
@@ -69,6 +73,8 @@ def test_random_workloads_of_three_nodes_materialize_exactly(kafka_settings, mig
             rows = fetch(migrated_database_url, "SELECT count(*) AS c FROM block_events WHERE node_id = $1",
                          n.node_id)[0]["c"]
             assert rows == expected_history_rows(rec.events)
+        parts = [e.data.parts for e in recs[2].events if isinstance(e.data, p.Snapshot)]
+        assert max(parts) > 3  # multi-part snapshots were really sent
         row = node_row(migrated_database_url, "node-0")
         assert row["capacity_gpu"] == 24 and row["capacity_host"] == 16 and row["window_size"] == 64
     finally:

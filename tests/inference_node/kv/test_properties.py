@@ -242,15 +242,15 @@ retentions = st.one_of(
 
 class CacheMachine(RuleBasedStateMachine):
     @initialize(gpu=st.integers(3, 10), host=st.sampled_from([0, 0, 2, 5]), min_offload=st.sampled_from([0, 35, 60]),
-                max_events=st.sampled_from([3, 10_000]), adaptive=st.booleans())
-    def setup(self, gpu, host, min_offload, max_events, adaptive):
+                max_events=st.sampled_from([3, 10_000]), adaptive=st.booleans(), part_blocks=st.sampled_from([2, 64]))
+    def setup(self, gpu, host, min_offload, max_events, adaptive, part_blocks):
         # Two instances of the (stateful, deterministic) policy see the same calls.
         def policy():
             return AdaptivePolicy(prior_gap_s=2.0, min_samples=2.0, window=8) if adaptive else None
         self.clock = ManualClock()
         self.core = KVCacheManager(KvCacheConfig(
             num_gpu_blocks=gpu, num_host_blocks=host, block_size=BS, secondary_offload_min_priority=min_offload,
-            max_queued_events=max_events, adaptive=policy()), clock=self.clock)
+            max_queued_events=max_events, adaptive=policy(), snapshot_part_blocks=part_blocks), clock=self.clock)
         ref_policy = policy()
         if ref_policy is not None:
             ref_policy.ghost_capacity = 4 * (gpu + host)
@@ -307,6 +307,10 @@ class CacheMachine(RuleBasedStateMachine):
         self.clock.advance(dt)
         self.core.tick()
         self.ref.expire(self.clock())
+
+    @rule()
+    def resync(self):  # a consumer asks; with 2 blocks a part, most snapshots come in several parts
+        self.core.request_snapshot()
 
     @rule()
     def drain(self):
