@@ -30,7 +30,9 @@ class RetentionIn(BaseModel):
 class CompletionRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str | None = Field(default=None, max_length=256, description="Ignored beyond a check: a node serves one.")
+    model: str | None = Field(default=None, max_length=256,
+                              description="The model to serve it (a node serves one): the router sends the request "
+                                          "only to nodes of this model; a node refuses another (404).")
     prompt: str | list[StrictInt] = Field(description="Text, or token ids.")
     max_tokens: StrictInt = Field(default=16, ge=1, le=8192)
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)
@@ -52,5 +54,5 @@ class RouteRequest(BaseModel):
     prompt: str | None = Field(default=None, description="Text (tokenized as the nodes do).")
     token_ids: list[StrictInt] | None = Field(default=None, max_length=1_000_000, description="Or token ids.")
     lora_id: StrictInt | None = Field(default=None, ge=0, le=(1 << 63) - 1)
-    model: str | None = Field(default=None, max_length=256)
+    model: str | None = Field(default=None, max_length=256, description="Only nodes serving this model.")
     cache_salt: str | None = Field(default=None, max_length=256)

@@ -87,6 +87,18 @@ class Metrics:
                               registry=r)
 
 
+def fleet_block_size(rows: list[Any]) -> int:
+    """The block size prompts are hashed in: the one most live nodes report (then any node's; 32).
+
+    Hashes depend on block boundaries, so one decision uses one size; a node with another size
+    is not a candidate (see ``excluded`` in the decision)."""
+    for pool in ([r for r in rows if r["status"] == "live"], rows):
+        sizes: collections.Counter[int] = collections.Counter(int(r["block_size"]) for r in pool if r["block_size"])
+        if sizes:
+            return min(sizes, key=lambda b: (-sizes[b], b))
+    return 32
+
+
 def _error(status: int, message: str, kind: str = "invalid_request_error", **extra: Any) -> JSONResponse:
     return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, **extra}},
                         headers={k: v for k, v in (("x-kvflow-node", extra.get("node_id")),) if v})
@@ -104,7 +116,7 @@ def create_app(settings: RouterSettings | None = None, database_url: str | None 
         log.warning("development mode: no API keys, the router is open")
     db = DatabaseSettings()
     if database_url is None:
-        db.check(env)
+        db.check(env, writer=False)  # it only reads
     url = database_url or db.reader()
     metrics = Metrics()
     state_box: dict[str, RouterState] = {}
@@ -114,8 +126,9 @@ def create_app(settings: RouterSettings | None = None, database_url: str | None 
         node_headers = {"authorization": f"Bearer {s.node_api_key.get_secret_value()}"} if s.node_api_key else {}
         client = httpx.AsyncClient(timeout=httpx.Timeout(s.upstream_timeout_s, connect=5.0), headers=node_headers,
                                    limits=httpx.Limits(max_connections=512, max_keepalive_connections=128))
-        state_box["s"] = RouterState(s, StateReader(url, s.nodes_cache_s), load_tokenizer(s.tokenizer_dir),
-                                     s.weights(), keys, client, recent=collections.deque(maxlen=s.recent_decisions))
+        reader = StateReader(url, s.nodes_cache_s, pool_size=db.pool_size, statement_timeout_ms=db.statement_timeout_ms)
+        state_box["s"] = RouterState(s, reader, load_tokenizer(s.tokenizer_dir), s.weights(), keys, client,
+                                     recent=collections.deque(maxlen=s.recent_decisions))
         try:
             yield
         finally:
@@ -161,13 +174,16 @@ def create_app(settings: RouterSettings | None = None, database_url: str | None 
     # ------------------------------------------------------------------ deciding
 
     async def route(token_ids: list[int] | None, text: str | None, lora_id: int | None,
-                    salt: str | None, prompt_blocks_hint: int = 0) -> tuple[Decision, dict[str, Any], int]:
+                    salt: str | None, model: str | None) -> tuple[Decision, dict[str, Any], int]:
         t0 = time.perf_counter()
         state = st()
         rows = await state.reader.nodes()
+        if model is not None and not any(r["model"] == model for r in rows):
+            raise HTTPException(404, f"model {model!r} is not served by any node")
         if token_ids is None:
             token_ids = state.tokenizer.encode(text or "")
-        block_size = s.block_size or next((r["block_size"] for r in rows if r["block_size"]), 32)
+        serving = [r for r in rows if model is None or r["model"] == model]
+        block_size = s.block_size or fleet_block_size(serving)
         hashes = prompt_sql_hashes(token_ids, block_size, lora_id=lora_id, cache_salt=salt)
         matches = await state.reader.prefix_matches(hashes)
         now = time.monotonic()
@@ -178,9 +194,14 @@ def create_app(settings: RouterSettings | None = None, database_url: str | None 
                 status = "suspect"
             elif not r["url"]:
                 status = "unreachable"  # known from its events only: no heartbeat has said where it is
+            excluded = ""
+            if model is not None and r["model"] != model:
+                excluded = f"serves {r['model'] or 'an unknown model'}, not {model}"
+            elif r["block_size"] and r["block_size"] != block_size:
+                excluded = f"block size {r['block_size']}; this fleet's prompts are hashed in blocks of {block_size}"
             inf = state.inflight.get(r["node_id"], Inflight())
             views.append(NodeView(r["node_id"], r["url"] or "", status, r["capacity_gpu"], r["active_blocks"],
-                                  r["active_requests"], r["queued_requests"], inf.requests, inf.blocks))
+                                  r["active_requests"], r["queued_requests"], inf.requests, inf.blocks, excluded))
         decision = decide(len(hashes), views, matches, state.weights, state.rng)
         elapsed = time.perf_counter() - t0
         state.decisions += 1
@@ -212,7 +233,7 @@ def create_app(settings: RouterSettings | None = None, database_url: str | None 
         if (req.prompt is None) == (req.token_ids is None):
             return _error(422, "give exactly one of prompt and token_ids")
         salt = key.tenant if key is not None and key.tenant else req.cache_salt
-        decision, body, _ = await route(req.token_ids, req.prompt, req.lora_id, salt)
+        decision, body, _ = await route(req.token_ids, req.prompt, req.lora_id, salt, req.model)
         if decision.chosen is None:
             return JSONResponse(status_code=503, content={"error": {"message": "no live node", "type": "unavailable"},
                                                           **body})
@@ -228,7 +249,7 @@ def create_app(settings: RouterSettings | None = None, database_url: str | None 
             payload["cache_salt"] = key.tenant  # a tenant's KV never mixes with another's
         tokens = req.prompt if isinstance(req.prompt, list) else None
         text = req.prompt if isinstance(req.prompt, str) else None
-        decision, body, n_blocks = await route(tokens, text, req.lora_id, payload.get("cache_salt"))
+        decision, body, n_blocks = await route(tokens, text, req.lora_id, payload.get("cache_salt"), req.model)
         chosen = decision.chosen
         if chosen is None:
             return _error(503, "no live node to route to", "unavailable")

@@ -30,10 +30,12 @@ async def _no_reset(conn: asyncpg.Connection) -> None:
 
 
 class StateReader:
-    def __init__(self, url: str, nodes_cache_s: float = 0.5, pool_size: int = 8) -> None:
+    def __init__(self, url: str, nodes_cache_s: float = 0.5, pool_size: int = 8,
+                 statement_timeout_ms: int = 10_000) -> None:
         self.dsn = plain_dsn(url)
         self.nodes_cache_s = nodes_cache_s
         self.pool_size = pool_size
+        self.statement_timeout_ms = statement_timeout_ms
         self._pool: asyncpg.Pool | None = None
         self._nodes: list[asyncpg.Record] = []
         self._nodes_at = 0.0
@@ -41,9 +43,12 @@ class StateReader:
 
     async def pool(self) -> asyncpg.Pool:
         if self._pool is None:
+            timeout_ms = self.statement_timeout_ms
+            settings = {"application_name": "kvflow-router", "default_transaction_read_only": "on",
+                        "statement_timeout": str(timeout_ms)}
             self._pool = await asyncpg.create_pool(
-                self.dsn, min_size=1, max_size=self.pool_size, command_timeout=10, reset=_no_reset,
-                server_settings={"application_name": "kvflow-router", "default_transaction_read_only": "on"})
+                self.dsn, min_size=1, max_size=self.pool_size, reset=_no_reset, server_settings=settings,
+                command_timeout=timeout_ms / 1000 + 1 if timeout_ms else None)
         return self._pool
 
     async def close(self) -> None:

@@ -54,6 +54,8 @@ class NodeView:
     queued_requests: int = 0
     inflight_requests: int = 0
     inflight_blocks: int = 0
+    #: why this node cannot serve this request at all (another model, another block size); "" if it can
+    excluded: str = ""
 
 
 @dataclass
@@ -128,9 +130,9 @@ def decide(total: int, nodes: Sequence[NodeView], matches: Mapping[str, PrefixMa
     """Choose a node for a prompt of ``total`` full blocks, given each node's cached prefix of it."""
     cands: list[Candidate] = []
     for n in nodes:
-        c = Candidate(n.node_id, n.url, n.status, eligible=n.status in ("live", "resyncing"))
+        c = Candidate(n.node_id, n.url, n.status, eligible=n.status in ("live", "resyncing") and not n.excluded)
         if not c.eligible:
-            c.reason = f"{n.status}: never chosen"
+            c.reason = n.excluded or f"{n.status}: never chosen"
             cands.append(c)
             continue
         if n.status == "live":

@@ -63,8 +63,11 @@ class DatabaseSettings(BaseSettings):
     def reader(self) -> str:
         return async_url(self.reader_url.get_secret_value())
 
-    def check(self, env: Environment) -> None:
-        """Refuse placeholder database passwords outside development."""
-        for name, url in (("KVFLOW_DATABASE_URL", self.url), ("KVFLOW_DATABASE_READER_URL", self.reader_url)):
+    def check(self, env: Environment, *, writer: bool = True, reader: bool = True) -> None:
+        """Refuse placeholder database passwords outside development, for the roles a service uses."""
+        used = [("KVFLOW_DATABASE_URL", self.url)] if writer else []
+        if reader:
+            used.append(("KVFLOW_DATABASE_READER_URL", self.reader_url))
+        for name, url in used:
             pw = make_url(url.get_secret_value()).password
             check_secret(f"the password in {name}", SecretStr(pw) if pw else None, env)

@@ -125,7 +125,7 @@ def build_app(kafka: KafkaSettings | None = None, db: DatabaseSettings | None = 
     ms = ms or MaterializerSettings()
     env = RuntimeSettings().env
     kafka.check(env)
-    db.check(env)
+    db.check(env, reader=False)  # it writes, through the owner role only
     if env is Environment.DEVELOPMENT:
         log.warning("KVFLOW_ENV=development: placeholder secrets are accepted")
     brokers = ";".join(f"kafka://{b.strip()}" for b in kafka.bootstrap.split(","))

@@ -42,6 +42,11 @@ def test_compose_config_is_valid_with_secrets():
         assert "healthcheck" in services[name], name
     assert services["router"]["environment"]["KVFLOW_DATABASE_READER_URL"].startswith(
         "postgresql+asyncpg://kvflow_reader:reader@")
+    # Least privilege: the writer's credentials only where it writes, none on the nodes.
+    has_writer = {name for name, svc in services.items() if "KVFLOW_DATABASE_URL" in svc.get("environment", {})}
+    assert has_writer == {"migrate", "materializer"}
+    for name in ("node-a", "node-b", "node-gpu", "topics"):
+        assert not any(k.startswith("KVFLOW_DATABASE") for k in services[name]["environment"]), name
 
 
 def test_compose_refuses_to_start_without_secrets():

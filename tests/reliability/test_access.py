@@ -66,6 +66,11 @@ def test_placeholder_secrets_are_refused_outside_development():
     strong = DatabaseSettings(url=SecretStr("postgresql://kvflow:Xq8!long-secret@db/kvflow"),
                               reader_url=SecretStr("postgresql://kvflow_reader:Yz9?other-secret@db/kvflow"))
     strong.check(Environment.PRODUCTION)
+    # Each service checks only the role it uses: the router (reader) needs no writer password.
+    reader_only = DatabaseSettings(reader_url=SecretStr("postgresql://kvflow_reader:Yz9?other-secret@db/kvflow"))
+    reader_only.check(Environment.PRODUCTION, writer=False)
+    with pytest.raises(ValueError, match="KVFLOW_DATABASE_URL"):
+        reader_only.check(Environment.PRODUCTION, reader=False)
 
 
 def test_secrets_come_from_files_and_are_never_printed(tmp_path):

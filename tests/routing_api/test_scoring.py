@@ -119,3 +119,11 @@ def test_lora_and_cache_salt_separate_otherwise_equal_prompts():
         d = decide(variant, [node("a"), node("b")], holdings, W)
         assert {c.node_id: c.matched_blocks for c in d.candidates} == {"a": 0, "b": 0}
     assert decide(plain, [node("a"), node("b")], holdings, W).chosen.node_id == "a"
+
+
+def test_an_excluded_node_is_never_chosen_whatever_it_holds():
+    d = decide(H, [node("a"), node("b", excluded="serves qwen, not llama")], {"a": {}, "b": gpu(*H)}, W)
+    assert d.chosen.node_id == "a"
+    b = next(c for c in d.candidates if c.node_id == "b")
+    assert (b.eligible, b.reason, b.matched_blocks) == (False, "serves qwen, not llama", 0)
+    assert decide(H, [node("b", excluded="x")], {"b": gpu(*H)}, W).chosen is None

@@ -1,0 +1,77 @@
+"""Which nodes may serve a request: model, block size, and a known address, from the nodes table.
+
+The rows are written directly (as the materializer would), so each rule is checked in isolation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+
+import asyncpg
+import pytest
+from fastapi.testclient import TestClient
+
+from eventbus.hashing import prompt_sql_hashes
+from routing_api.app import create_app
+from routing_api.config import RouterSettings
+from state_store.config import plain_dsn
+
+pytestmark = pytest.mark.integration
+
+TOKENS = list(range(1000, 1128))  # 4 blocks of 32, 8 of 16
+
+NODES = [  # node_id, model, block_size, url, blocks of the prompt cached
+    ("llama-a", "llama", 32, "http://a:1", 1),
+    ("llama-b", "llama", 32, "http://b:1", 3),
+    ("qwen-a", "qwen", 32, "http://q:1", 4),
+    ("llama-16", "llama", 16, "http://c:1", 8),
+    ("llama-nourl", "llama", 32, "", 4),
+]
+
+
+def fill(url: str) -> None:
+    async def run() -> None:
+        now = datetime.now(tz=UTC)
+        conn = await asyncpg.connect(plain_dsn(url))
+        try:
+            for node, model, bs, node_url, cached in NODES:
+                await conn.execute(
+                    "INSERT INTO nodes (node_id, instance_id, status, url, model, block_size, capacity_gpu, last_seen)"
+                    " VALUES ($1, 'i', 'live', $2, $3, $4, 1000, $5)", node, node_url, model, bs, now)
+                hashes = prompt_sql_hashes(TOKENS, bs)[:cached]
+                await conn.copy_records_to_table(
+                    "node_blocks", columns=["node_id", "block_hash", "cache_level", "priority", "num_tokens",
+                                            "stored_at", "updated_at"],
+                    records=[(node, h, 0, 35, bs, now, now) for h in hashes])
+        finally:
+            await conn.close()
+
+    asyncio.run(run())
+
+
+def test_model_block_size_and_address_decide_who_may_serve(migrated_database_url, reader_url):
+    fill(migrated_database_url)
+    with TestClient(create_app(RouterSettings(nodes_cache_s=0.0), database_url=reader_url)) as c:
+        llama = c.post("/v1/route", json={"token_ids": TOKENS, "model": "llama"}).json()
+        assert llama["node_id"] == "llama-b" and llama["matched_blocks"] == 3 and llama["block_size"] == 32
+        why = {x["node_id"]: (x["eligible"], x["reason"]) for x in llama["candidates"]}
+        assert why["qwen-a"] == (False, "serves qwen, not llama")
+        assert why["llama-16"] == (False, "block size 16; this fleet's prompts are hashed in blocks of 32")
+        assert why["llama-nourl"] == (False, "unreachable: never chosen")
+
+        assert c.post("/v1/route", json={"token_ids": TOKENS, "model": "qwen"}).json()["node_id"] == "qwen-a"
+        # Without a model every node is a candidate; qwen-a holds the longest prefix.
+        assert c.post("/v1/route", json={"token_ids": TOKENS}).json()["node_id"] == "qwen-a"
+
+        missing = c.post("/v1/route", json={"token_ids": TOKENS, "model": "gpt-5"})
+        assert missing.status_code == 404
+        assert missing.json()["error"]["message"] == "model 'gpt-5' is not served by any node"
+        assert c.post("/v1/completions", json={"prompt": TOKENS, "model": "gpt-5"}).status_code == 404
+
+
+def test_a_block_size_override_makes_the_other_sizes_ineligible(migrated_database_url, reader_url):
+    fill(migrated_database_url)
+    with TestClient(create_app(RouterSettings(nodes_cache_s=0.0, block_size=16), database_url=reader_url)) as c:
+        r = c.post("/v1/route", json={"token_ids": TOKENS, "model": "llama"}).json()
+        assert r["node_id"] == "llama-16" and r["matched_blocks"] == 8 and r["prompt_blocks"] == 8
