@@ -277,6 +277,9 @@ class ControlListener:
             except ProtocolError as exc:
                 log.warning("ignoring a bad control message: %s", exc)
                 continue
+            if cmd.node_id != self.node_id:  # the key said us, the body someone else: trust neither
+                log.warning("ignoring a control message keyed %s for node %s", self.node_id, cmd.node_id)
+                continue
             self.received.append(cmd)
             if cmd.command == "resync":
                 log.info("resync requested: %s", cmd.reason)

@@ -59,6 +59,14 @@ class ModelConfig:
         if arch and not any("Llama" in str(a) or "Mistral" in str(a) for a in arch):
             raise ValueError(f"unsupported architecture {arch}: a Llama-family model is required")
         heads = int(data["num_attention_heads"])
+        # Features this implementation does not compute must refuse, not load and compute wrongly.
+        if data.get("rope_scaling"):
+            raise ValueError(f"rope_scaling {data['rope_scaling']} is not supported (plain RoPE only)")
+        if data.get("sliding_window") and data.get("use_sliding_window", True):
+            raise ValueError(f"sliding_window {data['sliding_window']} is not supported (full attention only)")
+        if data.get("head_dim") and int(data["head_dim"]) * heads != int(data["hidden_size"]):
+            raise ValueError(f"head_dim {data['head_dim']} x {heads} heads != hidden_size {data['hidden_size']}: "
+                             "not supported")
         return cls(
             vocab_size=int(data["vocab_size"]),
             hidden_size=int(data["hidden_size"]),
@@ -306,7 +314,10 @@ class LlamaModel(nn.Module):
         mapped = {_from_hf_name(k): v for k, v in state.items()}
         if cfg.tie_word_embeddings and "lm_head.weight" not in mapped:
             mapped["lm_head.weight"] = mapped["embed_tokens.weight"]
-        missing, unexpected = model.load_state_dict(mapped, strict=False)
+        try:
+            missing, unexpected = model.load_state_dict(mapped, strict=False)
+        except RuntimeError as exc:  # shape mismatches: a config that does not describe these weights
+            raise ValueError(f"weights do not match {cfg_file}: {str(exc).splitlines()[-1].strip()}") from exc
         unexpected = [u for u in unexpected if "rotary_emb" not in u]
         if missing or unexpected:
             raise ValueError(f"weights do not match a Llama model: missing {missing[:5]}, unexpected {unexpected[:5]}")

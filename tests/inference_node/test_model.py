@@ -125,6 +125,21 @@ def test_a_non_llama_checkpoint_is_refused(tmp_path):
         LlamaModel.load_hf(tmp_path / "missing")
 
 
+@pytest.mark.parametrize(("change", "message"), [
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling"),
+    ({"sliding_window": 4096}, "sliding_window"),
+    ({"head_dim": 4}, "head_dim 4"),
+    ({"intermediate_size": 7}, "weights do not match"),  # the config no longer describes the weights
+])
+def test_checkpoints_this_model_cannot_compute_are_refused_in_one_line(tmp_path, node, change, message):
+    node.model.save_hf(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, **change}))
+    with pytest.raises(ValueError, match=message) as info:
+        LlamaModel.load_hf(tmp_path)
+    assert "\n" not in str(info.value)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_on_cuda_in_bf16_a_reused_prompt_gives_the_same_tokens():
