@@ -357,9 +357,10 @@ class Planner:
                     status = _resync(out, node)
                     applying = False
                 lv, pr = d.cache_level, d.priority
-                if cur is not None:
-                    changed[h] = cur._replace(cache_level=lv.new if lv else cur.cache_level,
-                                              priority=pr.new if pr else cur.priority, updated_at=batch_ts)
+                if cur is not None:  # NOTE: built directly; NamedTuple._replace costs ~3x as much
+                    changed[h] = BlockRow(cur.node_id, cur.block_hash, cur.parent_hash,
+                                          lv.new if lv else cur.cache_level, pr.new if pr else cur.priority,
+                                          cur.num_tokens, cur.lora_id, cur.window_size, cur.stored_at, batch_ts)
                 history_append((node, instance, eid, 0, "updated", h, cur.parent_hash if cur else None,
                                 lv.old if lv else None, lv.new if lv else None,
                                 pr.old if pr else None, pr.new if pr else None,
