@@ -7,7 +7,12 @@ types are refused (422) with a message naming the field.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+
+#: A token id as the block identity packs it (u32); a model's vocabulary is checked by the node.
+TokenId = Annotated[StrictInt, Field(ge=0, le=(1 << 32) - 1)]
 
 
 class TokenRangeIn(BaseModel):
@@ -33,7 +38,7 @@ class CompletionRequest(BaseModel):
     model: str | None = Field(default=None, max_length=256,
                               description="The model to serve it (a node serves one): the router sends the request "
                                           "only to nodes of this model; a node refuses another (404).")
-    prompt: str | list[StrictInt] = Field(description="Text, or token ids.")
+    prompt: str | list[TokenId] = Field(description="Text, or token ids.")
     max_tokens: StrictInt = Field(default=16, ge=1, le=8192)
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)
     seed: StrictInt | None = None
@@ -52,7 +57,7 @@ class RouteRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     prompt: str | None = Field(default=None, description="Text (tokenized as the nodes do).")
-    token_ids: list[StrictInt] | None = Field(default=None, max_length=1_000_000, description="Or token ids.")
+    token_ids: list[TokenId] | None = Field(default=None, max_length=1_000_000, description="Or token ids.")
     lora_id: StrictInt | None = Field(default=None, ge=0, le=(1 << 63) - 1)
     model: str | None = Field(default=None, max_length=256, description="Only nodes serving this model.")
     cache_salt: str | None = Field(default=None, max_length=256)

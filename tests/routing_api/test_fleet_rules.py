@@ -75,3 +75,13 @@ def test_a_block_size_override_makes_the_other_sizes_ineligible(migrated_databas
     with TestClient(create_app(RouterSettings(nodes_cache_s=0.0, block_size=16), database_url=reader_url)) as c:
         r = c.post("/v1/route", json={"token_ids": TOKENS, "model": "llama"}).json()
         assert r["node_id"] == "llama-16" and r["matched_blocks"] == 8 and r["prompt_blocks"] == 8
+
+
+def test_token_ids_outside_u32_are_refused_before_hashing(migrated_database_url, reader_url):
+    fill(migrated_database_url)  # found by the fuzz test: a negative id used to reach the hasher (500)
+    with TestClient(create_app(RouterSettings(nodes_cache_s=0.0), database_url=reader_url)) as c:
+        for bad in ([-1], [1 << 32]):
+            r = c.post("/v1/route", json={"token_ids": bad})
+            assert r.status_code == 422 and r.json()["error"]["message"].startswith("token_ids.0:"), r.text
+            r = c.post("/v1/completions", json={"prompt": bad})
+            assert r.status_code == 422 and "prompt" in r.json()["error"]["message"], r.text
