@@ -41,7 +41,8 @@ class CompletionRequest(BaseModel):
     prompt: str | list[TokenId] = Field(description="Text, or token ids.")
     max_tokens: StrictInt = Field(default=16, ge=1, le=8192)
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)
-    seed: StrictInt | None = None
+    seed: StrictInt | None = Field(default=None, ge=-(1 << 63), le=(1 << 64) - 1,
+                                   description="Sampling seed (with temperature > 0); a 64-bit integer.")
     stream: StrictBool = False
     kv_retention: RetentionIn | None = None
     lora_id: StrictInt | None = Field(default=None, ge=0, le=(1 << 63) - 1)

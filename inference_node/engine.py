@@ -39,6 +39,10 @@ from inference_node.model.llama import KVPool, LlamaModel, SeqBatchItem, copy_bl
 from inference_node.publisher import ControlListener, Publisher
 
 log = logging.getLogger("kvflow.engine")
+
+
+class _Unservable(Exception):
+    """A request the engine cannot serve (a bad seed, token ids the hasher refuses); not a fault."""
 T = TypeVar("T")
 
 
@@ -274,6 +278,13 @@ class Engine:
                     handle.put(Output(None, True, "error", error="the KV cache cannot hold this prompt right now"))
                     continue
                 return admitted  # wait for running requests to finish and free blocks
+            except _Unservable as exc:  # this request, not the engine: nothing of it was allocated
+                log.warning("request %s refused: %s", req.request_id, exc)
+                with self._wake:
+                    self._waiting.popleft()
+                self.stats.rejected += 1
+                handle.put(Output(None, True, "error", error=f"request refused: {exc}"))
+                continue
             with self._wake:
                 self._waiting.popleft()
             admitted = admitted or ok
@@ -281,7 +292,14 @@ class Engine:
         return admitted
 
     def _prefill(self, req: GenerationRequest, handle: RequestHandle) -> bool:
-        prompt = Prompt.from_tokens(req.prompt_ids, self.block_size, lora_id=req.lora_id, cache_salt=req.cache_salt)
+        # What can fail for this request alone fails before the core caches anything of it: once
+        # allocated, its new blocks are cached and must be computed, so a later failure is fatal.
+        try:
+            gen = torch.Generator().manual_seed(req.seed) if req.seed is not None and req.temperature > 0 else None
+            prompt = Prompt.from_tokens(req.prompt_ids, self.block_size, lora_id=req.lora_id,
+                                        cache_salt=req.cache_salt)
+        except (ValueError, OverflowError, TypeError) as exc:
+            raise _Unservable(f"{type(exc).__name__}: {exc}") from exc
         alloc = self.core.allocate(req.request_id, prompt, req.retention)
         self.stats.requests += 1
         self._copy(alloc.copies)
@@ -292,7 +310,6 @@ class Engine:
         logits = self.model([SeqBatchItem(req.prompt_ids[start:], start, alloc.block_table)], self.gpu_pool)[0]
         self.stats.prefill_seconds += time.perf_counter() - t0
         self.stats.prefill_tokens_computed += n - start
-        gen = torch.Generator().manual_seed(req.seed) if req.seed is not None and req.temperature > 0 else None
         token = self._sample(logits, req.temperature, gen)
         run = _Running(req, handle, n, start, gen, token)
         self._running[req.request_id] = run

@@ -65,6 +65,15 @@ def test_seeded_sampling_is_reproducible(node):
     assert a == b and a != c
 
 
+def test_a_request_the_engine_cannot_serve_is_refused_and_the_engine_carries_on(node):
+    # A seed beyond 64 bits (the HTTP schema refuses it; the engine must not trust that).
+    tokens, out = generate(node, list(range(40)), 4, temperature=1.0, seed=1 << 70, request_id="bad-seed")
+    assert tokens == [] and out.finish_reason == "error" and out.error.startswith("request refused: ")
+    assert node.engine.fatal is None and node.core.active_requests == 0
+    tokens, out = generate(node, list(range(40)), 4, request_id="after")
+    assert len(tokens) == 4 and out.error is None
+
+
 def test_offload_and_onboard_move_the_real_tensors():
     n = make_node(num_blocks=8, host_blocks=16)
     try:

@@ -73,6 +73,7 @@ def test_kv_state_is_the_ground_truth_the_events_describe(client):
     ({"prompt": ""}, 400, "the prompt is empty"),
     ({"prompt": [1, 2, 99999]}, 400, "prompt token ids must be within"),
     ({"prompt": [1, -2]}, 422, "Input should be greater than or equal to 0"),
+    ({"prompt": "x", "temperature": 1.0, "seed": 1 << 64}, 422, "seed: Input should be less than or equal to"),
     ({"prompt": "x" * 4100, "max_tokens": 8}, 400, "exceeds the context length of 4096"),
     ({"prompt": "x" * 1500, "max_tokens": 8}, 400, "needs 95 KV blocks; the node has 64"),
     ({"prompt": "x", "model": "gpt-5"}, 404, "is not served here"),
