@@ -369,7 +369,10 @@ class Engine:
     def _sample(logits: torch.Tensor, temperature: float, gen: torch.Generator | None) -> int:
         if temperature <= 0:
             return int(torch.argmax(logits).item())
-        probs = torch.softmax(logits.float() / temperature, dim=-1).cpu()
+        # Shifted first, so that any temperature > 0 (even 1e-300) gives finite scores: the best
+        # token scores 0, the others <= 0 (-inf at worst), never inf - inf.
+        z = logits.double()
+        probs = torch.softmax((z - z.max()) / temperature, dim=-1).cpu()
         return int(torch.multinomial(probs, 1, generator=gen).item())
 
     def _copy(self, copies: list[BlockCopy]) -> None:

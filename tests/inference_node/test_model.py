@@ -74,6 +74,15 @@ def test_a_request_the_engine_cannot_serve_is_refused_and_the_engine_carries_on(
     assert len(tokens) == 4 and out.error is None
 
 
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324, 2.0])
+def test_any_positive_temperature_samples_without_crashing(node, temperature):
+    # found by the fuzz test: logits / 1e-300 overflowed to inf, softmax gave nan, the engine died
+    tokens, out = generate(node, list(range(40)), 3, temperature=temperature, seed=1, request_id=f"t{temperature}")
+    assert len(tokens) == 3 and out.error is None and node.engine.fatal is None
+    if temperature < 1e-10:  # as good as greedy
+        assert tokens == generate(node, list(range(40)), 3, request_id=f"g{temperature}")[0]
+
+
 def test_offload_and_onboard_move_the_real_tensors():
     n = make_node(num_blocks=8, host_blocks=16)
     try:

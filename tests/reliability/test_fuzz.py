@@ -7,6 +7,7 @@ is registered live), and schemathesis generates requests from their own /openapi
 from __future__ import annotations
 
 import asyncio
+import os
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -23,7 +24,8 @@ from tests.support import ServiceProcess, free_port, http_ok, wait_for
 
 pytestmark = pytest.mark.integration
 
-FUZZ = settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+FUZZ = settings(max_examples=int(os.environ.get("KVFLOW_FUZZ_EXAMPLES", "30")), deadline=None,
+                suppress_health_check=list(HealthCheck))
 
 
 @pytest.fixture(scope="module")
