@@ -400,7 +400,7 @@ def sim_cmd(
     json_path: JsonOpt = None,
     quick: QuickOpt = False,
     trace: Annotated[str | None, typer.Option(help="A trace in the Mooncake format (default: the conversation "
-                                              "trace in ../shared/traces).")] = None,
+                                              "trace in ../shared/traces or data/traces).")] = None,
     out: Annotated[str, typer.Option(help="Folder for the report and the plots.")] = "artifacts/sim",
 ) -> None:
     """Trace-driven cluster simulator: eviction and routing policies on the real KV core."""

@@ -38,15 +38,17 @@ class TraceRequest:
 
 
 def default_trace_path() -> Path:
-    """``KVFLOW_TRACE`` or ``../shared/traces/mooncake_conversation_trace.jsonl`` of the checkout."""
+    """``KVFLOW_TRACE``, else ``../shared/traces/`` next to the checkout, else the copy in
+    ``data/traces/`` (so that any clone can run the simulator and the benchmarks)."""
     if env := os.environ.get("KVFLOW_TRACE"):
         return Path(env)
     here = Path(__file__).resolve().parents[1]
-    for base in (here.parent / "shared" / "traces", here / "shared" / "traces"):
+    for base in (here.parent / "shared" / "traces", here / "shared" / "traces", here / "data" / "traces"):
         if (base / DEFAULT_TRACE_NAME).is_file():
             return base / DEFAULT_TRACE_NAME
     raise FileNotFoundError(
-        f"{DEFAULT_TRACE_NAME} not found next to the checkout (../shared/traces/); set KVFLOW_TRACE"
+        f"{DEFAULT_TRACE_NAME} not found (../shared/traces/ next to the checkout, or data/traces/); "
+        "set KVFLOW_TRACE"
     )
 
 

@@ -57,3 +57,13 @@ def test_the_cli_writes_json_a_report_and_plots(tmp_path):
     assert (out / "report.md").read_text().startswith("# kvflow sim")
     for png in ("hit_rate_vs_capacity.png", "load_balance.png"):
         assert (out / png).stat().st_size > 5000
+
+
+def test_the_trace_is_found_from_any_clone():
+    from kvflow.traces import default_trace_path, load_trace
+
+    copy = ROOT / "data" / "traces" / "mooncake_conversation_trace.jsonl"
+    assert copy.is_file()  # the fallback when ../shared/traces is not next to the checkout
+    trace = load_trace(default_trace_path())
+    assert len(trace) == 12_031 and trace[0].hash_ids[:3] == (0, 1, 2)
+    assert load_trace(copy) == trace  # the copy is the shared trace, unchanged
