@@ -350,9 +350,9 @@ class Engine:
         self.stats.generated_tokens += 1
         req = run.req
         eos = self.tokenizer.eos_token_id
-        done = run.generated >= req.max_tokens or (not req.ignore_eos and eos is not None and token == eos)
-        if done:
-            reason = "length" if run.generated >= req.max_tokens and token != eos else "stop"
+        stop = not req.ignore_eos and eos is not None and token == eos
+        if stop or run.generated >= req.max_tokens:
+            reason = "stop" if stop else "length"  # with ignore_eos an EOS token is just a token
             run.handle.put(Output(token))
             self._finish(run, reason)
         else:

@@ -83,6 +83,18 @@ def test_any_positive_temperature_samples_without_crashing(node, temperature):
         assert tokens == generate(node, list(range(40)), 3, request_id=f"g{temperature}")[0]
 
 
+def test_finish_reason_is_stop_only_for_an_eos_that_counts(node, monkeypatch):
+    prompt = list(range(40))
+    tokens, _ = generate(node, prompt, 3, request_id="probe")
+    if tokens[2] in tokens[:2]:
+        pytest.skip("the greedy continuation repeats a token")  # deterministic: the seeded tiny model
+    monkeypatch.setattr(node.engine.tokenizer, "eos_token_id", tokens[2])  # the 3rd token is now EOS
+    got, out = generate(node, prompt, 3, ignore_eos=True, request_id="ignore")
+    assert got == tokens and out.finish_reason == "length"  # an ignored EOS is just a token
+    got, out = generate(node, prompt, 8, request_id="honour")
+    assert got == tokens and out.finish_reason == "stop"
+
+
 def test_offload_and_onboard_move_the_real_tensors():
     n = make_node(num_blocks=8, host_blocks=16)
     try:
