@@ -39,11 +39,11 @@ from inference_node.model.llama import KVPool, LlamaModel, SeqBatchItem, copy_bl
 from inference_node.publisher import ControlListener, Publisher
 
 log = logging.getLogger("kvflow.engine")
+T = TypeVar("T")
 
 
 class _Unservable(Exception):
     """A request the engine cannot serve (a bad seed, token ids the hasher refuses); not a fault."""
-T = TypeVar("T")
 
 
 @dataclass
