@@ -247,7 +247,7 @@ def bench_pipeline_cmd(json_path: JsonOpt = None, quick: QuickOpt = False) -> No
     from kvflow.bench.pipeline import bench_pipeline
 
     def run() -> None:
-        kw = {"nodes": 2, "requests_per_node": 300, "freshness_s": 3.0} if quick else {}
+        kw = {"nodes": 2, "requests_per_node": 300, "freshness_s": 3.0, "rounds": 1} if quick else {}
         result = bench_pipeline(say=lambda m: console.print(f"[dim]{m}[/]"), **kw)  # type: ignore[arg-type]
         result.print(console)
         if json_path:

@@ -117,6 +117,13 @@ def port_open(port: int, host: str = "127.0.0.1", timeout: float = 0.5) -> bool:
     return False
 
 
+def free_port() -> int:
+    """A TCP port on localhost that nothing listens on now (the OS's choice)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def tail(path: Path, lines: int = 15) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])

@@ -59,7 +59,10 @@ class NodeRow:
 
 
 class BlockRow(NamedTuple):
-    """A ``node_blocks`` row; hashes in their SQL (signed) form (a tuple: cheap to make in bulk)."""
+    """A ``node_blocks`` row; hashes in their SQL (signed) form (a tuple: cheap to make in bulk).
+
+    The field order is that of ``writer.UPSERT_BLOCKS``'s parameters (the writer zips rows into
+    columns); keep the two in step."""
 
     node_id: str
     block_hash: int

@@ -16,6 +16,7 @@ import pytest
 
 from eventbus.config import KafkaSettings
 from state_store.config import DatabaseSettings
+from state_store.scratch import drop_database, with_database
 
 REQUIRE_SERVICES = os.environ.get("KVFLOW_REQUIRE_SERVICES") == "1"
 
@@ -100,44 +101,13 @@ def pg_owner_url() -> str:
     return url
 
 
-def _with_database(url: str, dbname: str) -> str:
-    from sqlalchemy.engine import make_url
-
-    return make_url(url).set(database=dbname).render_as_string(hide_password=False)
-
-
 @pytest.fixture
 def database_url(pg_owner_url: str) -> Iterator[str]:
     """A fresh, empty database owned by the kvflow role; dropped after the test."""
     name = "kvflow_t_" + uuid.uuid4().hex[:12]
     asyncio.run(_admin_execute(pg_owner_url, f'CREATE DATABASE "{name}" OWNER kvflow'))
-    yield _with_database(pg_owner_url, name)
-    asyncio.run(_drop_database(pg_owner_url, name))
-
-
-async def _drop_database(url: str, name: str) -> None:
-    """Drop a test database, ending our own leftover sessions (e.g. of a process killed with -9).
-
-    NOTE: not `WITH (FORCE)`: that must also signal autovacuum, which our role may not.
-    """
-    import asyncpg
-
-    from state_store.config import plain_dsn
-
-    conn = await asyncpg.connect(plain_dsn(url), timeout=5)
-    try:
-        for attempt in range(40):
-            await conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                               "WHERE datname = $1 AND usename = current_user AND pid <> pg_backend_pid()", name)
-            try:
-                await conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
-                return
-            except asyncpg.ObjectInUseError:
-                if attempt == 39:
-                    raise
-                await asyncio.sleep(0.25)
-    finally:
-        await conn.close()
+    yield with_database(pg_owner_url, name)
+    asyncio.run(drop_database(pg_owner_url, name))
 
 
 @pytest.fixture

@@ -26,9 +26,10 @@ import httpx
 from eventbus.hashing import prompt_block_hashes
 from eventbus.protocol import to_sql
 from kvflow.bench.harness import BenchResult, percentile
-from kvflow.bench.pipeline import scratch_database
+from kvflow.stack import free_port
 from routing_api.queries import PREFIX_MATCHES
 from state_store.config import DatabaseSettings, plain_dsn
+from state_store.scratch import scratch_database
 
 PROJECT = Path(__file__).resolve().parents[2]
 
@@ -119,7 +120,7 @@ def bench_route(*, nodes: int = 32, blocks_per_node: int = 50_000, prompts: int 
         _sql_baseline_warm = asyncio.run(_sql_baseline(reader, texts, 50))
         sql = asyncio.run(_sql_baseline(reader, texts, 400))
         del _sql_baseline_warm
-        port = 18000 + os.getpid() % 1000
+        port = free_port()
         env = {**os.environ, "KVFLOW_DATABASE_READER_URL": reader}
         log = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvflow-bench-route-{port}.log"
         proc = subprocess.Popen([sys.executable, "-m", "kvflow.cli", "router", "--port", str(port),

@@ -19,7 +19,8 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 
 from state_store.config import DatabaseSettings, plain_dsn
-from tests.conftest import _drop_database, _with_database, service_missing
+from state_store.scratch import drop_database, with_database
+from tests.conftest import service_missing
 from tests.support import ServiceProcess, free_port, http_ok, wait_for
 
 pytestmark = pytest.mark.integration
@@ -58,7 +59,7 @@ def router_url(node_url, tmp_path_factory) -> Iterator[str]:
         asyncio.run(create())
     except Exception as exc:
         service_missing("PostgreSQL", exc)
-    url = _with_database(owner, name)
+    url = with_database(owner, name)
     from migrations import upgrade
 
     upgrade("head", url=url)
@@ -86,7 +87,7 @@ def router_url(node_url, tmp_path_factory) -> Iterator[str]:
         yield base
     finally:
         proc.stop()
-        asyncio.run(_drop_database(owner, name))
+        asyncio.run(drop_database(owner, name))
 
 
 def fuzz(base_url: str) -> dict[str, int]:

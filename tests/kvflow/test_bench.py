@@ -1,0 +1,55 @@
+"""Smoke tests of the benchmarks: each runs end to end (``--quick``) and writes the JSON it promises.
+
+Figures are not asserted — speed belongs to the benchmarks, not to tests on noisy machines —
+but every named figure, baseline and ratio must be there and be a finite, positive number.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.support import ROOT
+
+NAMED = {
+    # --quick replays the trace at 400 blocks, not 1,000 / 4,000 / 16,000: the per-capacity names differ
+    "kv": ["ratios.cost_vs_lru", "ratios.adaptive_vs_lru_hit_rate_min", "ratios.adaptive_vs_lru_hit_rate_400",
+           "ratios.adaptive_vs_belady_hit_rate_400"],
+    "node": ["ratios.prefill_speedup_cached_90pct", "figures.prefill_tokens_per_s", "figures.decode_tokens_per_s"],
+    "pipeline": ["figures.events_per_s", "baseline.raw_events_per_s", "ratios.vs_raw_ceiling",
+                 "figures.freshness_p50_ms", "figures.freshness_p99_ms"],
+    "route": ["figures.p50_ms", "figures.p99_ms", "figures.decisions_per_s", "baseline.sql_p50_ms"],
+}
+
+
+def run_bench(name: str, tmp_path, env: dict[str, str] | None = None) -> dict:
+    out = tmp_path / f"{name}.json"
+    proc = subprocess.run([sys.executable, "-m", "kvflow.cli", "bench", name, "--quick", "--json", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == name and result["environment"]["cpus"] >= 1
+    for path in NAMED[name]:
+        section, key = path.split(".")
+        value = result[section][key]
+        assert isinstance(value, float | int) and math.isfinite(value) and value > 0, (path, value)
+    return result
+
+
+@pytest.mark.parametrize("name", ["kv", "node"])
+def test_benchmarks_without_services(name, tmp_path):
+    run_bench(name, tmp_path)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", ["pipeline", "route"])
+def test_benchmarks_against_the_stack(name, tmp_path, kafka_settings, migrated_database_url):
+    # The benchmark makes its own topics and scratch databases on the stack the fixtures checked.
+    result = run_bench(name, tmp_path, {**os.environ, "KVFLOW_KAFKA_BOOTSTRAP": kafka_settings.bootstrap})
+    if name == "pipeline":
+        assert result["details"]["throughput_seconds"]["n"] == result["details"]["rounds"] == 1
