@@ -60,12 +60,14 @@ from eventbus.protocol import (
 )
 from inference_node.kv.adaptive import AdaptivePolicy, BlockContext
 from inference_node.kv.clock import Clock, monotonic
-from inference_node.kv.eviction import PARKED, EvictionIndex
+from inference_node.kv.eviction import IN_LIST, NOT_EVICTABLE, PARKED, EvictionIndex
 from inference_node.kv.prompt import Prompt
 from inference_node.kv.retention import KvCacheRetentionConfig
 
 GPU: Final = 0
 HOST: Final = 1
+
+_new_object = object.__new__  # a Block without the call to __init__ (the hot path sets every slot)
 
 
 class OutOfBlocks(RuntimeError):
@@ -117,7 +119,7 @@ class BlockCopy:
     dst_slot: int
 
 
-@dataclass
+@dataclass(slots=True)
 class Allocation:
     """The result of admitting a request."""
 
@@ -188,15 +190,19 @@ class Block:
         self.exp_version = 0  # bumped whenever the expiry timer changes
 
 
-@dataclass
 class _Request:
-    request_id: str
-    blocks: list[Block]
-    num_tokens: int
-    prompt: Prompt
-    retention: KvCacheRetentionConfig | None
-    token_ids: list[int] | None
-    last_full_digest: BlockDigest | None
+    __slots__ = ("blocks", "last_full_digest", "num_tokens", "prompt", "request_id", "retention", "token_ids")
+
+    def __init__(self, request_id: str, blocks: list[Block], num_tokens: int, prompt: Prompt,
+                 retention: KvCacheRetentionConfig | None, token_ids: list[int] | None,
+                 last_full_digest: BlockDigest | None) -> None:
+        self.request_id = request_id
+        self.blocks = blocks
+        self.num_tokens = num_tokens
+        self.prompt = prompt
+        self.retention = retention
+        self.token_ids = token_ids
+        self.last_full_digest = last_full_digest
 
 
 def _gpu_leaf(b: Block) -> bool:
@@ -258,154 +264,201 @@ class KVCacheManager:
             ValueError: the request id is in use, or the prompt is empty.
             OutOfBlocks: not enough GPU blocks can be freed; nothing of the request remains.
         """
+        # NOTE: this is the hot path of the core (``kvflow bench kv``): the common case (GPU
+        # hits, new blocks, evictions from the GPU tier) is inlined, with attributes and
+        # methods bound to locals; rarer cases go through the helpers below.
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already allocated")
-        if prompt.num_tokens <= 0:
+        num_tokens = prompt.num_tokens
+        if num_tokens <= 0:
             raise ValueError("a prompt needs at least one token")
-        self._expire()
+        if self._expiry:
+            self._expire()
         self._copies = []
         bs = self.block_size
-        n_blocks = -(-prompt.num_tokens // bs)
+        n_blocks = -(-num_tokens // bs)
+        digests = prompt.digests
 
-        # 1. Longest cached prefix (contiguous by construction); pin it at once.
-        matched: list[Block] = []
+        # 1. Longest cached prefix (contiguous by construction); pin it at once. A block leaving
+        #    a GPU eviction list is taken out inline; any other evictable one goes via discard.
+        blocks: list[Block] = []  # the matched blocks first, then the new ones
         onboard: list[Block] = []
-        cached = self._cached
-        index = self._index
         idle: list[Block] = []
-        for d in prompt.digests:
-            b = cached.get(d)
+        cached_get = self._cached.get
+        gpu_index = self._index[GPU]
+        gpu_lists = gpu_index._lists
+        n_listed = 0
+        for d in digests:
+            b = cached_get(d)
             if b is None:
                 break
             if not b.ref:
                 b.exp_version += 1  # the retention clock stops while the block is in use
-                idle.append(b)
+                if b.cand == IN_LIST and not b.level:
+                    del gpu_lists[b.priority][b]
+                    b.cand = NOT_EVICTABLE
+                    n_listed += 1
+                else:
+                    idle.append(b)
             b.ref += 1
             b.hits += 1
-            matched.append(b)
+            blocks.append(b)
             if b.level:
                 onboard.append(b)
+        gpu_index.count -= n_listed
         if idle:  # in use now: they leave the eviction order
-            if onboard:
-                for b in idle:
-                    index[b.level].discard(b)
-            else:
-                index[GPU].discard_all(idle)
+            index = self._index
+            for b in idle:
+                index[b.level].discard(b)
+        n_matched = len(blocks)
+        n_onboard = len(onboard)
 
         # 2. GPU slots for onboarding and for the new blocks (may evict; may fail).
-        needed = len(onboard) + n_blocks - len(matched)
+        needed = n_onboard + n_blocks - n_matched
         free = self._free[GPU]
-        slots: list[int] = []
-        try:
-            if needed <= len(free):
-                slots = free[len(free) - needed:][::-1]
-                del free[len(free) - needed:]
+        n_free = len(free)
+        if needed <= n_free:
+            if needed:
+                slots = free[n_free - needed:]
+                slots.reverse()
+                del free[n_free - needed:]
             else:
-                for _ in range(needed):
-                    slots.append(free.pop() if free else self._take_gpu_slot())
-        except OutOfBlocks:
-            self._free[GPU].extend(reversed(slots))
-            for b in reversed(matched):
-                b.hits -= 1
-                self._release(b)
-            self.stats.rejected_requests += 1
-            self._close_removed()
-            raise OutOfBlocks(
-                f"request {request_id!r} needs {needed} GPU blocks; only {len(slots)} could be freed"
-            ) from None
-        slot_iter = iter(slots)
+                slots = []
+        else:
+            slots = free[::-1]
+            free.clear()
+            try:
+                self._evict_gpu(needed - n_free, slots)
+            except OutOfBlocks:
+                free.extend(reversed(slots))
+                for b in reversed(blocks):
+                    b.hits -= 1
+                    self._release(b)
+                self.stats.rejected_requests += 1
+                self._open_removed = None
+                raise OutOfBlocks(
+                    f"request {request_id!r} needs {needed} GPU blocks; only {len(slots)} could be freed"
+                ) from None
 
         # 3. Onboard host hits, parents first.
-        for b in onboard:
-            gpu_slot = next(slot_iter)
-            self._copies.append(BlockCopy("onboard", HOST, b.slot, GPU, gpu_slot))
-            self._free[HOST].append(b.slot)
-            b.level, b.slot = GPU, gpu_slot
-            if b.parent is not None:
-                b.parent.gpu_children += 1
-            self.stats.onboards += 1
-            self._emit(Updated(block_hash=b.hash, cache_level=LevelDiff(old=HOST, new=GPU)))
+        if onboard:
+            for b, gpu_slot in zip(onboard, slots, strict=False):
+                self._copies.append(BlockCopy("onboard", HOST, b.slot, GPU, gpu_slot))
+                self._free[HOST].append(b.slot)
+                b.level, b.slot = GPU, gpu_slot
+                if b.parent is not None:
+                    b.parent.gpu_children += 1
+                self.stats.onboards += 1
+                self._emit(Updated(block_hash=b.hash, cache_level=LevelDiff(old=HOST, new=GPU)))
+            new_slots = slots[n_onboard:]
+        else:
+            new_slots = slots
 
         # 4. Re-prioritize reused blocks.
         adaptive = self._adaptive
         if adaptive is not None or retention is not None:
             now = self.clock() if adaptive is not None else 0.0
             if adaptive is not None:
-                adaptive.on_lookup(prompt.digests, len(matched), now)
-            for i, b in enumerate(matched):
+                adaptive.on_lookup(digests, n_matched, now)
+            for i, b in enumerate(blocks):
                 if retention is not None:
-                    prio, dur = retention.block_retention(i * bs, (i + 1) * bs, prompt.num_tokens)
+                    prio, dur = retention.block_retention(i * bs, (i + 1) * bs, num_tokens)
                     self._set_priority(b, prio, dur)
                 elif adaptive is not None:
                     raised = adaptive.on_reuse(b.tag, b.priority, b.hits - 1, now - b.released_at)
                     if raised is not None and raised[0] >= b.priority:
                         self._set_priority(b, raised[0], raised[1])
                         b.tag = raised[2]
+        block_table = [b.slot for b in blocks]
+        block_table += new_slots
 
         # 5. New blocks: full ones are cached (one chained `stored` event), the tail is private.
-        blocks = list(matched)
-        parent = matched[-1] if matched else None
-        stored: list[StoredBlock] = []
-        n_full = len(prompt.digests)
-        digests = prompt.digests
-        token_ids = prompt.token_ids if self.config.emit_token_ids else None
-        lora_id = prompt.lora_id
-        hinted = retention is not None or adaptive is not None
-        prio, dur = DEFAULT_PRIORITY, None
+        #    Each new full block but the last has one child (the next), on the GPU.
+        n_full = len(digests)
         uid = self._uid
-        tag = -1
-        for i in range(len(matched), n_blocks):
-            uid += 1
-            if i < n_full:
-                lo = i * bs
+        end = n_full if n_full <= n_blocks else n_blocks
+        if n_matched < end:
+            parent = blocks[-1] if n_matched else None
+            depth = parent.depth + 1 if parent is not None else 0
+            if parent is not None:  # pinned by this request: not in an eviction index
+                parent.children += 1
+                parent.gpu_children += 1
+            stored: list[StoredBlock] = []
+            token_ids = prompt.token_ids if self.config.emit_token_ids else None
+            lora_id = prompt.lora_id
+            hinted = retention is not None or adaptive is not None
+            prio, dur, tag = DEFAULT_PRIORITY, None, -1
+            cached = self._cached
+            new = _new_object
+            append_block = blocks.append
+            append_stored = stored.append
+            from_bytes = int.from_bytes
+            for i in range(n_matched, end):
                 if hinted:
-                    prio, dur, tag = self._new_block_retention(retention, lo, lo + bs, prompt.num_tokens, i,
-                                                               n_full, len(matched))
+                    lo = i * bs
+                    prio, dur, tag = self._new_block_retention(retention, lo, lo + bs, num_tokens, i,
+                                                               n_full, n_matched)
                 d = digests[i]
-                h = int.from_bytes(d[:8], "big")
-                b = Block(uid, next(slot_iter), d, h, parent, bs, lora_id, prio, dur)
-                b.tag = tag
-                if parent is not None:  # pinned by this request: not in an eviction index
-                    parent.children += 1
-                    parent.gpu_children += 1
-                cached[d] = b
-                toks = None
-                if token_ids is not None:
-                    b.token_ids = toks = tuple(token_ids[lo:lo + bs])
-                stored.append(StoredBlock(h, bs, lora_id, GPU, prio, list(toks) if toks is not None else None))
-                parent = b
-            else:
-                b = Block(uid, next(slot_iter))
-            blocks.append(b)
+                h = from_bytes(d[:8], "big")
+                uid += 1
+                nb: Block = new(Block)
+                nb.uid = uid
+                nb.slot = new_slots[i - n_matched]
+                nb.level = GPU
+                nb.digest = d
+                nb.hash = h  # type: ignore[assignment]  # NOTE: no NewType call on the hot path
+                nb.parent = parent
+                nb.num_tokens = bs
+                nb.lora_id = lora_id
+                nb.priority = prio
+                nb.duration = dur
+                nb.ref = 1
+                nb.last_used = 0
+                nb.children = 1
+                nb.gpu_children = 1
+                nb.depth = depth
+                nb.hits = 0
+                nb.tag = tag
+                nb.released_at = 0.0
+                nb.cand = NOT_EVICTABLE
+                nb.side_ver = 0
+                nb.exp_version = 0
+                cached[d] = nb
+                if token_ids is None:
+                    nb.token_ids = None
+                    append_stored(StoredBlock(h, bs, lora_id, GPU, prio, None))
+                else:
+                    lo = i * bs
+                    nb.token_ids = toks = tuple(token_ids[lo:lo + bs])
+                    append_stored(StoredBlock(h, bs, lora_id, GPU, prio, list(toks)))
+                append_block(nb)
+                parent = nb
+                depth += 1
+            nb.children = nb.gpu_children = 0  # the last one
+            self._emit(Stored(blocks[n_matched - 1].hash if n_matched else None, stored))
+        for i in range(n_full, n_blocks):  # the partial tail: private
+            uid += 1
+            blocks.append(Block(uid, new_slots[i - n_matched]))
         self._uid = uid
-        if stored:
-            self._emit(Stored(matched[-1].hash if matched else None, stored))
 
         # 6. Bookkeeping.
-        hit_tokens = len(matched) * bs
+        hit_tokens = n_matched * bs
         st = self.stats
         st.requests += 1
-        st.prompt_tokens += prompt.num_tokens
+        st.prompt_tokens += num_tokens
         st.cached_tokens += hit_tokens
-        st.hit_blocks += len(matched)
-        st.miss_blocks += n_full - len(matched)
-        if matched:
+        st.hit_blocks += n_matched
+        st.miss_blocks += n_full - n_matched
+        if n_matched:
             st.requests_with_hit += 1
         self._requests[request_id] = _Request(
-            request_id=request_id, blocks=blocks, num_tokens=prompt.num_tokens, prompt=prompt,
-            retention=retention,
-            token_ids=list(prompt.token_ids) if prompt.token_ids is not None else None,
-            last_full_digest=prompt.digests[-1] if prompt.digests else None,
+            request_id, blocks, num_tokens, prompt, retention,
+            list(prompt.token_ids) if prompt.token_ids is not None else None,
+            digests[-1] if digests else None,
         )
-        self._close_removed()
+        self._open_removed = None
         copies, self._copies = self._copies, []
-        return Allocation(
-            block_table=[b.slot for b in blocks],
-            num_cached_tokens=hit_tokens,
-            gpu_hit_blocks=len(matched) - len(onboard),
-            host_hit_blocks=len(onboard),
-            copies=copies,
-        )
+        return Allocation(block_table, hit_tokens, n_matched - n_onboard, n_onboard, copies)
 
     def append_token(self, request_id: str, token_id: int) -> tuple[int, list[BlockCopy]]:
         """Extend a running request by one token (its KV is written at the returned slot).
@@ -458,26 +511,37 @@ class KVCacheManager:
         evicted before its head.
         """
         req = self._requests.pop(request_id)
-        self._expire()
+        if self._expiry:
+            self._expire()
         free = self._free[GPU]
-        released: list[Block] = []
         tick = self._tick
         timed = self._adaptive is not None
+        # Blocks in use are on the GPU, and each release is the newest: each goes to the back of
+        # its priority's list (EvictionIndex.add_released, inlined).
+        index = self._index[GPU]
+        lists, tails = index._lists, index._tails
+        mask = index._mask
+        n = 0
         for b in reversed(req.blocks):
             if b.digest is None:
                 free.append(b.slot)
                 continue
             b.ref -= 1
-            if b.ref == 0:
+            if not b.ref:
                 tick += 1
                 b.last_used = tick
-                if b.duration is not None or timed:
+                if timed or b.duration is not None:
                     self._start_clock(b)
-                released.append(b)
+                p = b.priority
+                lists[p][b] = None
+                tails[p] = tick
+                b.cand = IN_LIST
+                mask |= 1 << p
+                n += 1
         self._tick = tick
-        # Blocks in use are on the GPU, and each release is the newest: the fast path applies.
-        self._index[GPU].add_released(released)
-        self._close_removed()
+        index._mask = mask
+        index.count += n
+        self._open_removed = None
 
     def tick(self) -> None:
         """Apply retention expiries due by now (allocate/free do this too)."""
@@ -489,14 +553,15 @@ class KVCacheManager:
     def match_prefix(self, prompt: Prompt) -> tuple[int, int]:
         """How many of the prompt's leading full blocks are cached on (GPU, host); no side effects."""
         gpu = host = 0
+        get = self._cached.get
         for d in prompt.digests:
-            b = self._cached.get(d)
+            b = get(d)
             if b is None:
                 break
-            if b.level == GPU:
-                gpu += 1
-            else:
+            if b.level:
                 host += 1
+            else:
+                gpu += 1
         return gpu, host
 
     def block_table(self, request_id: str) -> list[int]:
@@ -567,8 +632,11 @@ class KVCacheManager:
             self._snapshot_requested = False
             self._emit_snapshot()
         q = self._events
-        n = len(q) if max_events is None else min(max_events, len(q))
-        out = [q.popleft() for _ in range(n)]
+        if max_events is None or max_events >= len(q):
+            out = list(q)
+            q.clear()
+        else:
+            out = [q.popleft() for _ in range(max_events)]
         self._open_removed = None
         return out
 
@@ -650,6 +718,65 @@ class KVCacheManager:
     def _unpark_parent(self, p: Block) -> None:
         if p.cand == PARKED and (p.gpu_children == 0 if p.level == GPU else p.children == 0):
             self._index[p.level].unpark(p)
+
+    def _evict_gpu(self, k: int, slots: list[int]) -> None:
+        """Evict ``k`` GPU blocks (the free list is empty), appending their slots to ``slots``.
+
+        :meth:`_take_gpu_slot` ``k`` times; without a host tier or an adaptive policy, the common
+        case (the victim at the front of its priority's list, removed from the cache) is inlined.
+
+        Raises:
+            OutOfBlocks: no evictable block is left (``slots`` holds those taken so far).
+        """
+        if self._host_enabled or self._adaptive is not None:
+            take = self._take_gpu_slot
+            for _ in range(k):
+                slots.append(take())
+            return
+        index = self._index[GPU]
+        lists, heaps = index._lists, index._heaps
+        cached = self._cached
+        evictions = self.stats.evictions_by_priority
+        append = slots.append
+        removed = self._open_removed
+        while k:
+            mask = index._mask
+            p = (mask & -mask).bit_length() - 1
+            lst = lists[p] if mask else None
+            if lst and not heaps[p]:
+                b = lst.popitem(last=False)[0]
+                if b.gpu_children:
+                    b.cand = PARKED  # still counted: it is evictable once its children go
+                    continue
+                b.cand = NOT_EVICTABLE
+                index.count -= 1
+            else:
+                popped = index.pop()
+                if popped is None:
+                    self._open_removed = removed
+                    raise OutOfBlocks("every GPU block is in use")
+                b = popped
+            # _remove(b), inlined
+            prio = b.priority
+            del cached[b.digest]  # type: ignore[arg-type]
+            evictions[prio] = evictions.get(prio, 0) + 1
+            par = b.parent
+            if par is not None:
+                par.children -= 1
+                par.gpu_children -= 1
+                if par.cand == PARKED:
+                    self._unpark_parent(par)
+            b.digest = None
+            b.exp_version += 1
+            # Consecutive removals within one operation share one `removed` event.
+            if removed is not None and len(removed) < EVENT_BLOCKS_CHUNK:
+                removed.append(b.hash)
+            else:
+                removed = [b.hash]
+                self._emit(Removed(block_hashes=removed))
+            append(b.slot)
+            k -= 1
+        self._open_removed = removed
 
     def _take_gpu_slot(self) -> int:
         free = self._free[GPU]
