@@ -13,8 +13,15 @@ them and becomes a leaf before it reaches the front. If one reaches the front an
 children have a higher priority), it is *parked* until its last child leaves the tier, then put
 back at its exact position (:meth:`EvictionIndex.unpark`).
 
-Costs: add, discard and unpark O(1) amortized (O(log n) on the heap path); pop O(1) amortized
-plus O(log n) heap work, with a scan over at most 101 priorities done by bit arithmetic.
+Blocks in use may sit in the lists too: a block taken into use from a list stays there,
+*pinned* (:meth:`EvictionIndex.pin`), and is skipped (and dropped from its list) when it
+reaches the front. Released again, it moves to the back of its list (``move_to_end``, cheaper
+than deleting it when it is taken and appending it when it is released). It is not evictable
+while pinned, and not counted.
+
+Costs: add, discard, pin and unpark O(1) amortized (O(log n) on the heap path); pop O(1)
+amortized plus O(log n) heap work, with a scan over at most 101 priorities done by bit
+arithmetic.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ NOT_EVICTABLE = 0
 IN_LIST = 1
 IN_HEAP = 2
 PARKED = 3
+PINNED = 4  # in use, but still in its list (not evictable, not counted)
 
 
 class EvictionIndex:
@@ -54,6 +62,16 @@ class EvictionIndex:
     def add(self, b: Block) -> None:
         """``b`` became evictable (or changed priority / tier while evictable)."""
         p = b.priority
+        if b.cand == PINNED:  # still in its list
+            if b.last_used >= self._tails[p]:
+                self._lists[p].move_to_end(b)
+                self._tails[p] = b.last_used
+                b.cand = IN_LIST
+                self._mask |= 1 << p
+                self.count += 1
+                return
+            del self._lists[p][b]
+            b.cand = NOT_EVICTABLE
         if b.last_used >= self._tails[p]:
             self._lists[p][b] = None
             self._tails[p] = b.last_used
@@ -84,17 +102,32 @@ class EvictionIndex:
         mask = self._mask
         for b in blocks:
             p = b.priority
-            lists[p][b] = None
+            if b.cand == PINNED:
+                lists[p].move_to_end(b)
+            else:
+                lists[p][b] = None
             tails[p] = b.last_used
             b.cand = IN_LIST
             mask |= 1 << p
         self._mask = mask
         self.count += len(blocks)
 
+    def pin(self, b: Block) -> None:
+        """``b`` is taken into use: it leaves the order (a listed block stays in its list, pinned)."""
+        if b.cand == IN_LIST:
+            b.cand = PINNED
+            self.count -= 1
+        else:
+            self.discard(b)
+
     def discard(self, b: Block) -> None:
-        """``b`` is no longer evictable here (in use, removed, moved, or re-keyed)."""
+        """``b`` is no longer here, evictable or pinned (in use, removed, moved, or re-keyed)."""
         cand = b.cand
         if cand == NOT_EVICTABLE:
+            return
+        if cand == PINNED:
+            del self._lists[b.priority][b]
+            b.cand = NOT_EVICTABLE
             return
         if cand == IN_LIST:
             del self._lists[b.priority][b]
@@ -103,21 +136,6 @@ class EvictionIndex:
             self._heap_live -= 1
         b.cand = NOT_EVICTABLE
         self.count -= 1
-
-    def discard_all(self, blocks: list[Block]) -> None:
-        """:meth:`discard` for many blocks of this tier at once."""
-        lists = self._lists
-        for b in blocks:
-            cand = b.cand
-            if cand == IN_LIST:
-                del lists[b.priority][b]
-            elif cand == IN_HEAP:
-                b.side_ver += 1
-                self._heap_live -= 1
-            elif cand == NOT_EVICTABLE:
-                continue
-            b.cand = NOT_EVICTABLE
-            self.count -= 1
 
     def unpark(self, b: Block) -> None:
         """A parked block became a leaf: back into the order, at its exact position."""
@@ -136,8 +154,13 @@ class EvictionIndex:
             while heap and (heap[0][3].cand != IN_HEAP or heap[0][3].side_ver != heap[0][2]):
                 heapq.heappop(heap)
                 self._heap_entries -= 1
-            if lst:
+            while lst:
                 b = next(iter(lst))
+                if b.cand != PINNED:
+                    break
+                del lst[b]  # in use: it returns to the back when released
+                b.cand = NOT_EVICTABLE
+            if lst:
                 if heap and heap[0][0] < b.last_used:
                     b = heapq.heappop(heap)[3]
                     self._heap_entries -= 1

@@ -60,7 +60,7 @@ from eventbus.protocol import (
 )
 from inference_node.kv.adaptive import AdaptivePolicy, BlockContext
 from inference_node.kv.clock import Clock, monotonic
-from inference_node.kv.eviction import IN_LIST, NOT_EVICTABLE, PARKED, EvictionIndex
+from inference_node.kv.eviction import IN_LIST, NOT_EVICTABLE, PARKED, PINNED, EvictionIndex
 from inference_node.kv.prompt import Prompt
 from inference_node.kv.retention import KvCacheRetentionConfig
 
@@ -279,14 +279,14 @@ class KVCacheManager:
         n_blocks = -(-num_tokens // bs)
         digests = prompt.digests
 
-        # 1. Longest cached prefix (contiguous by construction); pin it at once. A block leaving
-        #    a GPU eviction list is taken out inline; any other evictable one goes via discard.
+        # 1. Longest cached prefix (contiguous by construction); pin it at once. A block in a GPU
+        #    eviction list stays there, pinned (EvictionIndex.pin, inlined); any other evictable
+        #    one leaves the order via discard.
         blocks: list[Block] = []  # the matched blocks first, then the new ones
         onboard: list[Block] = []
         idle: list[Block] = []
         cached_get = self._cached.get
         gpu_index = self._index[GPU]
-        gpu_lists = gpu_index._lists
         n_listed = 0
         for d in digests:
             b = cached_get(d)
@@ -295,8 +295,7 @@ class KVCacheManager:
             if not b.ref:
                 b.exp_version += 1  # the retention clock stops while the block is in use
                 if b.cand == IN_LIST and not b.level:
-                    del gpu_lists[b.priority][b]
-                    b.cand = NOT_EVICTABLE
+                    b.cand = PINNED
                     n_listed += 1
                 else:
                     idle.append(b)
@@ -517,11 +516,12 @@ class KVCacheManager:
         tick = self._tick
         timed = self._adaptive is not None
         # Blocks in use are on the GPU, and each release is the newest: each goes to the back of
-        # its priority's list (EvictionIndex.add_released, inlined).
+        # its priority's list (EvictionIndex.add_released, inlined); a pinned one is there already.
         index = self._index[GPU]
         lists, tails = index._lists, index._tails
-        mask = index._mask
         n = 0
+        last_p = -1
+        lst = lists[0]
         for b in reversed(req.blocks):
             if b.digest is None:
                 free.append(b.slot)
@@ -533,13 +533,18 @@ class KVCacheManager:
                 if timed or b.duration is not None:
                     self._start_clock(b)
                 p = b.priority
-                lists[p][b] = None
+                if p != last_p:
+                    index._mask |= 1 << p
+                    lst = lists[p]
+                    last_p = p
+                if b.cand == PINNED:
+                    lst.move_to_end(b)
+                else:
+                    lst[b] = None
                 tails[p] = tick
                 b.cand = IN_LIST
-                mask |= 1 << p
                 n += 1
         self._tick = tick
-        index._mask = mask
         index.count += n
         self._open_removed = None
 
@@ -707,7 +712,11 @@ class KVCacheManager:
 
     def _rekey(self, b: Block, priority: int) -> None:
         """Change the priority of a block that may be evictable (it moves in its eviction order)."""
-        if b.cand:
+        cand = b.cand
+        if cand == PINNED:  # in use: it only leaves its list
+            self._index[b.level].discard(b)
+            b.priority = priority
+        elif cand:
             index = self._index[b.level]
             index.discard(b)
             b.priority = priority
@@ -744,18 +753,53 @@ class KVCacheManager:
             p = (mask & -mask).bit_length() - 1
             lst = lists[p] if mask else None
             if lst and not heaps[p]:
-                b = lst.popitem(last=False)[0]
-                if b.gpu_children:
-                    b.cand = PARKED  # still counted: it is evictable once its children go
-                    continue
-                b.cand = NOT_EVICTABLE
-                index.count -= 1
-            else:
-                popped = index.pop()
-                if popped is None:
-                    self._open_removed = removed
-                    raise OutOfBlocks("every GPU block is in use")
-                b = popped
+                # The fast path: pop the front of priority p's list while it lasts (nothing
+                # else enters the index meanwhile, unless a parent is unparked: then re-check).
+                n_taken = 0
+                removals = 0
+                while lst:
+                    b = lst.popitem(last=False)[0]
+                    if b.cand == PINNED:  # in use: it returns to the back when released
+                        b.cand = NOT_EVICTABLE
+                        continue
+                    if b.gpu_children:
+                        b.cand = PARKED  # still counted: it is evictable once its children go
+                        continue
+                    b.cand = NOT_EVICTABLE
+                    n_taken += 1
+                    # _remove(b), inlined
+                    del cached[b.digest]  # type: ignore[arg-type]
+                    removals += 1
+                    par = b.parent
+                    b.digest = None
+                    b.exp_version += 1
+                    # Consecutive removals within one operation share one `removed` event.
+                    if removed is not None and len(removed) < EVENT_BLOCKS_CHUNK:
+                        removed.append(b.hash)
+                    else:
+                        removed = [b.hash]
+                        self._emit(Removed(block_hashes=removed))
+                    append(b.slot)
+                    if par is not None:
+                        par.children -= 1
+                        par.gpu_children -= 1
+                        if par.cand == PARKED:
+                            k -= n_taken
+                            n_taken = 0
+                            self._unpark_parent(par)
+                            break
+                    if n_taken == k:
+                        break
+                k -= n_taken
+                if removals:
+                    index.count -= removals
+                    evictions[p] = evictions.get(p, 0) + removals
+                continue
+            popped = index.pop()
+            if popped is None:
+                self._open_removed = removed
+                raise OutOfBlocks("every GPU block is in use")
+            b = popped
             # _remove(b), inlined
             prio = b.priority
             del cached[b.digest]  # type: ignore[arg-type]
@@ -768,7 +812,6 @@ class KVCacheManager:
                     self._unpark_parent(par)
             b.digest = None
             b.exp_version += 1
-            # Consecutive removals within one operation share one `removed` event.
             if removed is not None and len(removed) < EVENT_BLOCKS_CHUNK:
                 removed.append(b.hash)
             else:
