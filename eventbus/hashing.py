@@ -45,7 +45,14 @@ def _salt_bytes(cache_salt: str | bytes | None) -> bytes:
 
 
 def pack_tokens(token_ids: Sequence[int]) -> bytes:
-    """Token ids as packed u32 little-endian bytes (ValueError/OverflowError outside u32)."""
+    """Token ids as packed u32 little-endian bytes (ValueError/OverflowError outside u32).
+
+    ``bytes`` are a sequence of token ids 0–255 (what the byte tokenizer produces): each byte
+    becomes one u32, by a strided copy instead of a loop over Python ints."""
+    if isinstance(token_ids, bytes | bytearray):
+        out = bytearray(4 * len(token_ids))
+        out[0::4] = token_ids
+        return bytes(out)
     arr = array(_TOKEN_ARRAY_CODE, token_ids)
     if _SWAP:
         arr.byteswap()
@@ -54,7 +61,7 @@ def pack_tokens(token_ids: Sequence[int]) -> bytes:
 
 def block_digest(
     parent: bytes | None,
-    token_ids: Sequence[int] | bytes,
+    token_ids: Sequence[int],
     *,
     lora_id: int | None = None,
     cache_salt: str | bytes | None = None,
@@ -64,13 +71,13 @@ def block_digest(
 
     Args:
         parent: the parent block's digest; None for the first block of a sequence.
-        token_ids: the block's token ids, or already packed bytes (``pack_tokens``).
+        token_ids: the block's token ids (``bytes`` count as byte tokens 0–255, see ``pack_tokens``).
         lora_id: LoRA adapter id, None for the base model.
         cache_salt: tenant salt; only enters the first block (``parent is None``).
         num_tokens: the token count when ``token_ids`` is an opaque key rather than tokens
             (e.g. a trace block id standing for 512 tokens); defaults to the count of tokens.
     """
-    packed = token_ids if isinstance(token_ids, bytes) else pack_tokens(token_ids)
+    packed = pack_tokens(token_ids)
     count = num_tokens if num_tokens is not None else len(packed) // 4
     salt = _salt_bytes(cache_salt) if parent is None else b""
     flags = (1 if lora_id is not None else 0) | (2 if salt else 0)
@@ -101,27 +108,31 @@ def chain_digests(
     n_full = len(token_ids) // block_size
     if n_full == 0:
         return []
-    packed = memoryview(pack_tokens(token_ids[: n_full * block_size]))
+    packed = pack_tokens(token_ids[: n_full * block_size])
     step = block_size * 4
     out: list[BlockDigest] = []
-    prev = parent
-    salt = _salt_bytes(cache_salt)
+    append = out.append
+    copy = _BASE.copy
     lora = lora_id or 0
     lora_flag = 1 if lora_id is not None else 0
-    copy = _BASE.copy
-    plain_header = _HEADER.pack(lora_flag, lora, block_size, 0)
-    for i in range(n_full):
+    start = 0
+    prev: bytes | None = parent
+    if prev is None:
+        salt = _salt_bytes(cache_salt)
         h = copy()
-        if prev is None:
-            h.update(ROOT)
-            h.update(_HEADER.pack(lora_flag | (2 if salt else 0), lora, block_size, len(salt)))
-            h.update(salt)
-        else:
-            h.update(prev)
-            h.update(plain_header)
-        h.update(packed[i * step : (i + 1) * step])
+        h.update(ROOT + _HEADER.pack(lora_flag | (2 if salt else 0), lora, block_size, len(salt)) + salt)
+        h.update(packed[:step])
         prev = h.digest()
-        out.append(prev)  # type: ignore[arg-type]  # NOTE: BlockDigest is bytes; no NewType call per block
+        append(prev)  # type: ignore[arg-type]  # NOTE: BlockDigest is bytes; no NewType call per block
+        start = step
+    plain_header = _HEADER.pack(lora_flag, lora, block_size, 0)
+    # NOTE: one update of parent + header + tokens (one concatenation) is ~35% cheaper per block
+    # than three updates; the digest is the same (BLAKE2b is a stream).
+    for i in range(start, n_full * step, step):
+        h = copy()
+        h.update(prev + plain_header + packed[i : i + step])
+        prev = h.digest()
+        append(prev)  # type: ignore[arg-type]
     return out
 
 
@@ -143,6 +154,22 @@ def prompt_sql_hashes(
     """The prompt's full-block hashes as PostgreSQL ``bigint`` (``to_sql(block_hash(d))``, in C)."""
     unpack = _SIGNED_HEAD.unpack_from
     return [unpack(d)[0] for d in chain_digests(token_ids, block_size, lora_id=lora_id, cache_salt=cache_salt)]
+
+
+def prompt_hash_heads(
+    token_ids: Sequence[int],
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    *,
+    lora_id: int | None = None,
+    cache_salt: str | bytes | None = None,
+) -> bytes:
+    """The prompt's full-block hashes packed: 8 bytes each, big-endian, in order.
+
+    Block ``i`` (from 1) is bytes ``8i-8 … 8i-1``: read unsigned it is the wire ``block_hash``,
+    read signed the SQL ``bigint``. This is what the router sends to ``kvflow_prefix_matches``
+    (one ``bytea``: no per-element encoding of a ``bigint[]``)."""
+    digests = chain_digests(token_ids, block_size, lora_id=lora_id, cache_salt=cache_salt)
+    return b"".join([d[:8] for d in digests])
 
 
 def prompt_block_hashes(

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -20,6 +21,9 @@ class Tokenizer(Protocol):
     eos_token_id: int | None
 
     def encode(self, text: str) -> list[int]: ...
+    def encode_compact(self, text: str) -> Sequence[int]:
+        """The ids of ``encode``, as the cheapest sequence to hash (``bytes`` for byte tokens)."""
+        ...
     def decode(self, ids: list[int]) -> str: ...
 
 
@@ -32,6 +36,9 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode_compact(self, text: str) -> Sequence[int]:
+        return text.encode("utf-8")  # bytes: a sequence of the same ids, hashed without a list
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
@@ -50,6 +57,9 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=True).ids)
+
+    def encode_compact(self, text: str) -> Sequence[int]:
+        return self.encode(text)
 
     def decode(self, ids: list[int]) -> str:
         return str(self._tok.decode(ids, skip_special_tokens=True))

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import json
 import logging
 import math
 import random
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,10 +34,11 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import ValidationError
 
 from eventbus.api import CompletionRequest, RouteRequest
 from eventbus.config import Environment, RuntimeSettings
-from eventbus.hashing import prompt_sql_hashes
+from eventbus.hashing import prompt_hash_heads
 from eventbus.http import BodyLimit
 from eventbus.tokenizers import Tokenizer, load_tokenizer
 from routing_api.config import ApiKey, RouterSettings, parse_api_keys
@@ -99,9 +101,95 @@ def fleet_block_size(rows: list[Any]) -> int:
     return 32
 
 
+@dataclass(frozen=True)
+class FleetView:
+    """One read of the ``nodes`` table as a request for ``model`` sees it (derived once per read):
+    the block size prompts are hashed in, and every node's view without the router's own state
+    (suspicion, in-flight requests), which each decision lays over it."""
+
+    block_size: int
+    views: tuple[NodeView, ...]
+
+
+def fleet_view(rows: list[Any], model: str | None, block_size: int | None = None) -> FleetView:
+    serving = [r for r in rows if model is None or r["model"] == model]
+    size = block_size or fleet_block_size(serving)
+    views = []
+    for r in rows:
+        excluded = ""
+        if model is not None and r["model"] != model:
+            excluded = f"serves {r['model'] or 'an unknown model'}, not {model}"
+        elif r["block_size"] and r["block_size"] != size:
+            excluded = f"block size {r['block_size']}; this fleet's prompts are hashed in blocks of {size}"
+        # a node known from its events only (no heartbeat has said where it is) is unreachable
+        status = r["status"] if r["url"] else "unreachable"
+        views.append(NodeView(r["node_id"], r["url"] or "", status, r["capacity_gpu"], r["active_blocks"],
+                              r["active_requests"], r["queued_requests"], excluded=excluded))
+    return FleetView(size, tuple(views))
+
+
 def _error(status: int, message: str, kind: str = "invalid_request_error", **extra: Any) -> JSONResponse:
     return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, **extra}},
                         headers={k: v for k, v in (("x-kvflow-node", extra.get("node_id")),) if v})
+
+
+FastHandler = Callable[[bytes, dict[bytes, bytes]], Awaitable[tuple[int, bytes] | None]]
+
+
+class FastPath:
+    """Answer hot ``POST`` endpoints without the framework: plain ASGI in, JSON bytes out.
+
+    For ``POST /v1/route`` FastAPI's routing, dependency solving, ``json.loads`` + validation of a
+    dict, and response classes cost about as much CPU as the decision's own work. The handler
+    validates the same pydantic model from the raw bytes (``model_validate_json``) and checks the
+    same API keys; when it returns None (an invalid body, a missing key: any answer that is not
+    the endpoint's own), the request goes on to FastAPI with its body replayed, so errors and
+    the OpenAPI schema stay FastAPI's.
+    """
+
+    def __init__(self, app: Any, routes: dict[str, FastHandler]) -> None:
+        self.app = app
+        self.routes = routes
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        handler = self.routes.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if handler is None:
+            await self.app(scope, receive, send)
+            return
+        chunks = []
+        try:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return
+                chunks.append(message.get("body", b""))
+                if not message.get("more_body", False):
+                    break
+        except HTTPException as exc:  # the body limit (BodyLimit, outside) refused the body
+            await _send_json(send, exc.status_code, msgspec.json.encode(
+                {"error": {"message": exc.detail, "type": "http_error"}}))  # as FastAPI's on_http
+            return
+        body = b"".join(chunks)
+        answer = await handler(body, dict(scope["headers"]))
+        if answer is not None:
+            await _send_json(send, *answer)
+            return
+        replayed = False
+
+        async def replay() -> Any:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+
+async def _send_json(send: Any, status: int, content: bytes) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(content)).encode())]})
+    await send({"type": "http.response.body", "body": content})
 
 
 def create_app(settings: RouterSettings | None = None, database_url: str | None = None) -> FastAPI:
@@ -141,24 +229,25 @@ def create_app(settings: RouterSettings | None = None, database_url: str | None 
     def st() -> RouterState:
         return state_box["s"]
 
+    def authorize(header: str, needed: str) -> ApiKey | None:
+        """The API key of an ``Authorization`` header, if it grants ``needed`` (else 401/403)."""
+        if not keys:
+            return None
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise HTTPException(401, "missing bearer API key", headers={"WWW-Authenticate": "Bearer"})
+        key = next((k for k in keys.values() if secrets.compare_digest(token, k.key)), None)
+        if key is None:
+            raise HTTPException(401, "unknown API key", headers={"WWW-Authenticate": "Bearer"})
+        if needed not in key.scopes:
+            raise HTTPException(403, f"this API key lacks the '{needed}' scope")
+        return key
+
     def scope(needed: str) -> Any:
         async def check(request: Request) -> ApiKey | None:  # async: no thread hop per request
-            if not keys:
-                return None
-            header = request.headers.get("authorization", "")
-            scheme, _, token = header.partition(" ")
-            if scheme.lower() != "bearer" or not token:
-                raise HTTPException(401, "missing bearer API key", headers={"WWW-Authenticate": "Bearer"})
-            key = next((k for k in keys.values() if secrets.compare_digest(token, k.key)), None)
-            if key is None:
-                raise HTTPException(401, "unknown API key", headers={"WWW-Authenticate": "Bearer"})
-            if needed not in key.scopes:
-                raise HTTPException(403, f"this API key lacks the '{needed}' scope")
-            return key
+            return authorize(request.headers.get("authorization", ""), needed)
 
         return Depends(check)
-
-    app.add_middleware(BodyLimit, max_bytes=s.max_request_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -173,6 +262,18 @@ def create_app(settings: RouterSettings | None = None, database_url: str | None 
 
     # ------------------------------------------------------------------ deciding
 
+    fleet_cache: dict[str | None, FleetView] = {}
+    fleet_rows: list[list[Any]] = [[]]  # the rows fleet_cache was derived from (held: no id reuse)
+
+    def fleet_views(rows: list[Any], model: str | None) -> FleetView:
+        if fleet_rows[0] is not rows:  # the reader has read the nodes table again
+            fleet_cache.clear()
+            fleet_rows[0] = rows
+        fv = fleet_cache.get(model)
+        if fv is None:
+            fv = fleet_cache[model] = fleet_view(rows, model, s.block_size)
+        return fv
+
     async def route(token_ids: list[int] | None, text: str | None, lora_id: int | None,
                     salt: str | None, model: str | None) -> tuple[Decision, dict[str, Any], int]:
         t0 = time.perf_counter()
@@ -180,33 +281,27 @@ def create_app(settings: RouterSettings | None = None, database_url: str | None 
         rows = await state.reader.nodes()
         if model is not None and not any(r["model"] == model for r in rows):
             raise HTTPException(404, f"model {model!r} is not served by any node")
-        if token_ids is None:
-            token_ids = state.tokenizer.encode(text or "")
-        serving = [r for r in rows if model is None or r["model"] == model]
-        block_size = s.block_size or fleet_block_size(serving)
-        hashes = prompt_sql_hashes(token_ids, block_size, lora_id=lora_id, cache_salt=salt)
+        tokens: Sequence[int] = state.tokenizer.encode_compact(text or "") if token_ids is None else token_ids
+        fleet = fleet_views(rows, model)
+        block_size = fleet.block_size
+        hashes = prompt_hash_heads(tokens, block_size, lora_id=lora_id, cache_salt=salt)
+        n_blocks = len(hashes) // 8
         matches = await state.reader.prefix_matches(hashes)
-        now = time.monotonic()
-        views = []
-        for r in rows:
-            status = r["status"]
-            if state.suspect_until.get(r["node_id"], 0) > now:
-                status = "suspect"
-            elif not r["url"]:
-                status = "unreachable"  # known from its events only: no heartbeat has said where it is
-            excluded = ""
-            if model is not None and r["model"] != model:
-                excluded = f"serves {r['model'] or 'an unknown model'}, not {model}"
-            elif r["block_size"] and r["block_size"] != block_size:
-                excluded = f"block size {r['block_size']}; this fleet's prompts are hashed in blocks of {block_size}"
-            inf = state.inflight.get(r["node_id"], Inflight())
-            views.append(NodeView(r["node_id"], r["url"] or "", status, r["capacity_gpu"], r["active_blocks"],
-                                  r["active_requests"], r["queued_requests"], inf.requests, inf.blocks, excluded))
-        decision = decide(len(hashes), views, matches, state.weights, state.rng)
+        views = list(fleet.views)
+        if state.suspect_until or state.inflight:  # lay the router's own state over the nodes' rows
+            now = time.monotonic()
+            for i, v in enumerate(views):
+                suspect = state.suspect_until.get(v.node_id, 0) > now
+                inf = state.inflight.get(v.node_id)
+                if suspect or (inf is not None and (inf.requests or inf.blocks)):
+                    views[i] = dataclasses.replace(
+                        v, status="suspect" if suspect else v.status,
+                        inflight_requests=inf.requests if inf else 0, inflight_blocks=inf.blocks if inf else 0)
+        decision = decide(n_blocks, views, matches, state.weights, state.rng)
         elapsed = time.perf_counter() - t0
         state.decisions += 1
         metrics.decision_seconds.observe(elapsed)
-        metrics.prompt_blocks.inc(len(hashes))
+        metrics.prompt_blocks.inc(n_blocks)
         if decision.chosen is not None:
             metrics.decisions.labels(decision.chosen.node_id).inc()
             metrics.matched_blocks.inc(decision.chosen.matched_blocks)
@@ -215,7 +310,7 @@ def create_app(settings: RouterSettings | None = None, database_url: str | None 
             "url": decision.chosen.url if decision.chosen else None,
             "matched_blocks": decision.chosen.matched_blocks if decision.chosen else 0,
             "matched_tokens": decision.chosen.matched_blocks * block_size if decision.chosen else 0,
-            "prompt_tokens": len(token_ids), "prompt_blocks": len(hashes), "block_size": block_size,
+            "prompt_tokens": len(tokens), "prompt_blocks": n_blocks, "block_size": block_size,
             "reason": decision.reason, "decision_ms": round(elapsed * 1000, 3),
             "candidates": [{"node_id": c.node_id, "status": c.status, "eligible": c.eligible,
                             "matched_blocks": c.gpu_blocks + c.host_blocks, "gpu_blocks": c.gpu_blocks,
@@ -224,20 +319,37 @@ def create_app(settings: RouterSettings | None = None, database_url: str | None 
                             "cost": None if c.cost == math.inf else round(c.cost, 3), "busy": c.busy,
                             "reason": c.reason} for c in decision.candidates],
         }
-        state.recent.appendleft({"ts": time.time(), "node_id": body["node_id"], "prompt_tokens": len(token_ids),
+        state.recent.appendleft({"ts": time.time(), "node_id": body["node_id"], "prompt_tokens": len(tokens),
                                  "matched_tokens": body["matched_tokens"], "reason": decision.reason})
-        return decision, body, len(hashes)
+        return decision, body, n_blocks
 
-    @app.post("/v1/route")
-    async def route_endpoint(req: RouteRequest, key: ApiKey | None = scope("route")) -> Response:
+    async def route_answer(req: RouteRequest, key: ApiKey | None) -> tuple[int, bytes]:
+        """``POST /v1/route`` once the body is valid and the key may route: status and JSON."""
         if (req.prompt is None) == (req.token_ids is None):
-            return _error(422, "give exactly one of prompt and token_ids")
+            return 422, msgspec.json.encode({"error": {"message": "give exactly one of prompt and token_ids",
+                                                       "type": "invalid_request_error"}})
         salt = key.tenant if key is not None and key.tenant else req.cache_salt
         decision, body, _ = await route(req.token_ids, req.prompt, req.lora_id, salt, req.model)
         if decision.chosen is None:
-            return JSONResponse(status_code=503, content={"error": {"message": "no live node", "type": "unavailable"},
-                                                          **body})
-        return Response(msgspec.json.encode(body), media_type="application/json")
+            return 503, msgspec.json.encode({"error": {"message": "no live node", "type": "unavailable"}, **body})
+        return 200, msgspec.json.encode(body)
+
+    @app.post("/v1/route")
+    async def route_endpoint(req: RouteRequest, key: ApiKey | None = scope("route")) -> Response:
+        status, content = await route_answer(req, key)
+        return Response(content, status_code=status, media_type="application/json")
+
+    async def route_fast(body: bytes, headers: dict[bytes, bytes]) -> tuple[int, bytes] | None:
+        """The same endpoint without the framework, for a valid body and key (see FastPath)."""
+        try:
+            req = RouteRequest.model_validate_json(body)
+            key = authorize(headers.get(b"authorization", b"").decode("latin-1"), "route")
+        except (ValidationError, HTTPException):
+            return None  # FastAPI answers, with its own messages
+        try:
+            return await route_answer(req, key)
+        except HTTPException as exc:
+            return exc.status_code, msgspec.json.encode({"error": {"message": exc.detail, "type": "http_error"}})
 
     # ------------------------------------------------------------------ proxying
 
@@ -383,4 +495,7 @@ def create_app(settings: RouterSettings | None = None, database_url: str | None 
     async def prom() -> Response:
         return Response(generate_latest(metrics.registry), media_type="text/plain; version=0.0.4")
 
+    # Outermost first: the body limit, then the framework-free path of POST /v1/route.
+    app.add_middleware(FastPath, routes={"/v1/route": route_fast})
+    app.add_middleware(BodyLimit, max_bytes=s.max_request_bytes)
     return app

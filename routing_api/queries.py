@@ -4,6 +4,7 @@ one indexed query for who holds which of the prompt's blocks."""
 from __future__ import annotations
 
 import asyncio
+import struct
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -20,9 +21,15 @@ SELECT node_id, instance_id, status, url, model, block_size, capacity_gpu, capac
 FROM nodes ORDER BY node_id
 """
 # Each node's contiguous cached prefix of the prompt, in one round trip: kvflow_prefix_matches()
-# (migration 0002) bisects over the prompt's blocks with probes of node_blocks_block_hash_idx.
+# (migrations 0002, 0003) bisects over the prompt's blocks with probes of node_blocks_block_hash_idx.
+# Its argument is the prompt's hashes packed 8 bytes each (eventbus.hashing.prompt_hash_heads).
 # routing_api.scoring.prefix_match is the same computation in Python (tests compare the two).
-PREFIX_MATCHES = "SELECT node_id, blocks, gpu, leaf_priority FROM kvflow_prefix_matches($1::bigint[])"
+PREFIX_MATCHES = "SELECT node_id, blocks, gpu, leaf_priority FROM kvflow_prefix_matches($1::bytea)"
+
+
+def pack_sql_hashes(sql_hashes: Sequence[int]) -> bytes:
+    """SQL ``bigint`` hashes packed as ``kvflow_prefix_matches`` takes them (8 bytes, big-endian)."""
+    return struct.pack(f">{len(sql_hashes)}q", *sql_hashes)
 
 
 async def _no_reset(conn: asyncpg.Connection) -> None:
@@ -66,13 +73,17 @@ class StateReader:
                 self._nodes_at = time.monotonic()
         return self._nodes
 
-    async def prefix_matches(self, sql_hashes: Sequence[int]) -> dict[str, PrefixMatch]:
-        """Each node's contiguous cached prefix of the prompt (one round trip)."""
-        if not sql_hashes:
+    async def prefix_matches(self, hashes: bytes | Sequence[int]) -> dict[str, PrefixMatch]:
+        """Each node's contiguous cached prefix of the prompt (one round trip).
+
+        ``hashes``: the prompt's hashes packed (``prompt_hash_heads``), or as SQL ``bigint``s."""
+        if not isinstance(hashes, bytes):
+            hashes = pack_sql_hashes(hashes)
+        if not hashes:
             return {}
         pool = await self.pool()
         return {r[0]: PrefixMatch(gpu=r[2], host=r[1] - r[2], leaf_low=r[3] < DEFAULT_PRIORITY)
-                for r in await pool.fetch(PREFIX_MATCHES, list(sql_hashes))}
+                for r in await pool.fetch(PREFIX_MATCHES, hashes)}
 
     async def fetch(self, sql: str, *args: Any) -> list[asyncpg.Record]:
         pool = await self.pool()

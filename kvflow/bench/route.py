@@ -2,10 +2,12 @@
 
 A fresh database holds 32 live nodes × 50k cached blocks. 128 prompts of 2k–32k tokens are each
 cached (a prefix of 50–100 %) on one to three nodes; the rest of every node is filler. A
-``kvflow router`` process answers ``POST /v1/route`` for those prompts, as text, from a client
-with a few requests in flight. Figures: client-side latency p50 / p99 and decisions per second;
-baseline: the router's one SQL query alone (asyncpg, same prompts), p50. Goals on this 2-core
-machine: p50 ≤ 2 ms, p99 ≤ 10 ms, ≥ 1,000 decisions/s.
+``kvflow router`` process answers ``POST /v1/route`` for those prompts, as text, sent by a lean
+keep-alive HTTP client (``kvflow.bench.httpload``: httpx alone would take as much CPU as the
+router). Two phases: latency, one decision at a time (``p50_ms``, ``p99_ms``, client side); then
+throughput, ``concurrency`` connections in flight (``decisions_per_s``; that phase's latencies
+are ``loaded_p50_ms`` / ``loaded_p99_ms``). Baseline: the router's one SQL query alone (asyncpg,
+same prompts), p50. Goals on this 2-core machine: p50 ≤ 2 ms, p99 ≤ 10 ms, ≥ 1,000 decisions/s.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ from pathlib import Path
 
 import asyncpg
 import httpx
+import msgspec
 
-from eventbus.hashing import prompt_block_hashes
+from eventbus.hashing import prompt_block_hashes, prompt_hash_heads
 from eventbus.protocol import to_sql
 from kvflow.bench.harness import BenchResult, percentile
+from kvflow.bench.httpload import LoadResult, post_load
 from kvflow.stack import free_port
 from routing_api.queries import PREFIX_MATCHES
 from state_store.config import DatabaseSettings, plain_dsn
@@ -70,7 +74,7 @@ async def _fill(url: str, nodes: int, blocks_per_node: int, prompts: list[str], 
 async def _sql_baseline(url: str, prompts: list[str], rounds: int) -> list[float]:
     conn = await asyncpg.connect(plain_dsn(url))
     try:
-        hashes = [[to_sql(h) for h in prompt_block_hashes(list(p.encode()), 32)] for p in prompts]
+        hashes = [prompt_hash_heads(p.encode(), 32) for p in prompts]
         out = []
         for i in range(rounds):
             t0 = time.perf_counter()
@@ -81,27 +85,11 @@ async def _sql_baseline(url: str, prompts: list[str], rounds: int) -> list[float
         await conn.close()
 
 
-async def _load(base: str, prompts: list[str], n: int, concurrency: int) -> tuple[list[float], list[float], float]:
-    latencies: list[float] = []
-    server: list[float] = []
-    queue: asyncio.Queue[int] = asyncio.Queue()
-    for i in range(n):
-        queue.put_nowait(i)
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=base, limits=limits, timeout=30) as client:
-        async def worker() -> None:
-            while not queue.empty():
-                i = queue.get_nowait()
-                t0 = time.perf_counter()
-                r = await client.post("/v1/route", json={"prompt": prompts[i % len(prompts)]})
-                latencies.append(time.perf_counter() - t0)
-                r.raise_for_status()
-                server.append(r.json()["decision_ms"] / 1000)
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        elapsed = time.perf_counter() - t0
-    return latencies, server, elapsed
+def _load(port: int, bodies: list[bytes], n: int, concurrency: int) -> tuple[LoadResult, list[float]]:
+    """``n`` decisions, ``concurrency`` keep-alive connections; the result and the router's own
+    ``decision_ms`` of each (seconds)."""
+    res = asyncio.run(post_load("127.0.0.1", port, "/v1/route", bodies, n, concurrency))
+    return res, [msgspec.json.decode(b)["decision_ms"] / 1000 for b in res.bodies]
 
 
 def bench_route(*, nodes: int = 32, blocks_per_node: int = 50_000, prompts: int = 128, requests: int = 3000,
@@ -138,17 +126,25 @@ def bench_route(*, nodes: int = 32, blocks_per_node: int = 50_000, prompts: int 
                 if time.monotonic() > deadline or proc.poll() is not None:
                     raise RuntimeError(f"the router did not start; see {log}")
                 time.sleep(0.2)
-            say(f"{requests:,} decisions through the HTTP API, {concurrency} in flight …")
-            asyncio.run(_load(base, texts, 200, concurrency))  # warm-up
-            lat, server, elapsed = asyncio.run(_load(base, texts, requests, concurrency))
+            bodies = [msgspec.json.encode({"prompt": t}) for t in texts]
+            _load(port, bodies, 200, concurrency)  # warm-up
+            say(f"{requests:,} decisions through the HTTP API, one at a time (latency) …")
+            serial, serial_server = _load(port, bodies, requests, 1)
+            say(f"{requests:,} decisions through the HTTP API, {concurrency} in flight (throughput) …")
+            loaded, loaded_server = _load(port, bodies, requests, concurrency)
         finally:
             proc.terminate()
             proc.wait(30)
+    lat = serial.latencies
     res.figures.update({
         "p50_ms": percentile(lat, 50) * 1000, "p99_ms": percentile(lat, 99) * 1000,
-        "decisions_per_s": len(lat) / elapsed,
-        "server_decision_p50_ms": percentile(server, 50) * 1000,
-        "server_decision_p99_ms": percentile(server, 99) * 1000,
+        "decisions_per_s": loaded.per_second,
+        "serial_decisions_per_s": serial.per_second,
+        "loaded_p50_ms": percentile(loaded.latencies, 50) * 1000,
+        "loaded_p99_ms": percentile(loaded.latencies, 99) * 1000,
+        "server_decision_p50_ms": percentile(serial_server, 50) * 1000,
+        "server_decision_p99_ms": percentile(serial_server, 99) * 1000,
+        "loaded_server_decision_p50_ms": percentile(loaded_server, 50) * 1000,
     })
     res.baseline.update({"sql_p50_ms": percentile(sql, 50) * 1000, "sql_p99_ms": percentile(sql, 99) * 1000})
     res.ratios["p50_vs_sql_p50"] = res.figures["p50_ms"] / res.baseline["sql_p50_ms"]

@@ -85,3 +85,19 @@ def test_sql_hashes_are_the_wire_hashes_read_as_signed():
     tokens = list(range(500))
     assert prompt_sql_hashes(tokens, 32, cache_salt="x") == [
         to_sql(h) for h in prompt_block_hashes(tokens, 32, cache_salt="x")]
+
+
+def test_bytes_are_byte_tokens_everywhere():
+    """``bytes`` is a sequence of token ids 0–255 (the byte tokenizer): the strided fast path of
+    pack_tokens, chain_digests and prompt_hash_heads give what the list of ints gives."""
+    from eventbus.hashing import prompt_hash_heads, prompt_sql_hashes
+
+    data = bytes(range(256)) * 3 + b"tail"
+    ints = list(data)
+    assert pack_tokens(data) == pack_tokens(ints) == pack_tokens(bytearray(data))
+    assert block_digest(None, data[:32]) == block_digest(None, ints[:32])
+    assert chain_digests(data, 32, cache_salt="s") == chain_digests(ints, 32, cache_salt="s")
+    heads = prompt_hash_heads(data, 32, lora_id=2)
+    assert len(heads) == 8 * (len(data) // 32)
+    assert [int.from_bytes(heads[i:i + 8], "big", signed=True) for i in range(0, len(heads), 8)] == \
+        prompt_sql_hashes(ints, 32, lora_id=2)

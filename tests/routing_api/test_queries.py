@@ -66,3 +66,15 @@ def test_sql_prefix_matches_equal_the_python_reference(migrated_database_url, re
     assert any(m.host for ms in got for m in ms.values())
     assert any(m.leaf_low for ms in got for m in ms.values())
     assert asyncio.run(StateReader(reader_url).prefix_matches([])) == {}
+
+
+def test_sql_prefix_matches_refuses_a_partial_hash(reader_url):
+    async def query() -> None:
+        reader = StateReader(reader_url)
+        try:
+            with pytest.raises(asyncpg.InvalidParameterValueError, match="not a whole number of 8-byte hashes"):
+                await reader.prefix_matches(b"\x00" * 12)
+        finally:
+            await reader.close()
+
+    asyncio.run(query())

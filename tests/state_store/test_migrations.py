@@ -38,7 +38,7 @@ def _objects(url: str) -> tuple[set[str], set[str]]:
 def test_upgrade_downgrade_upgrade(database_url):
     upgrade("head", url=database_url)
     assert _objects(database_url) == (TABLES, VIEWS)
-    assert asyncio.run(current(url=database_url)) == "0002"
+    assert asyncio.run(current(url=database_url)) == "0003"
 
     downgrade("base", url=database_url)
     assert _objects(database_url) == (set(), set())

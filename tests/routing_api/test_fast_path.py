@@ -1,0 +1,69 @@
+"""FastPath: a hot POST endpoint answered without the framework, and everything else left to it."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from pydantic import BaseModel
+
+from eventbus.http import BodyLimit
+from routing_api.app import FastPath
+
+
+class Body(BaseModel):
+    n: int
+
+
+def make_app() -> tuple[FastAPI, list[bytes]]:
+    app = FastAPI()
+    seen: list[bytes] = []
+
+    @app.post("/hot")
+    async def hot(body: Body) -> dict[str, object]:
+        return {"via": "framework", "n": body.n}
+
+    @app.post("/cold")
+    async def cold(body: Body) -> dict[str, object]:
+        return {"via": "cold", "n": body.n}
+
+    async def fast(raw: bytes, headers: dict[bytes, bytes]) -> tuple[int, bytes] | None:
+        seen.append(raw)
+        if headers.get(b"x-skip") or b'"n"' not in raw:
+            return None
+        return 201, b'{"via": "fast"}'
+
+    app.add_middleware(FastPath, routes={"/hot": fast})
+    app.add_middleware(BodyLimit, max_bytes=1000)
+    return app, seen
+
+
+def test_the_handler_answers_or_the_framework_gets_the_same_body():
+    app, seen = make_app()
+    with TestClient(app) as c:
+        r = c.post("/hot", json={"n": 1})
+        assert (r.status_code, r.json(), r.headers["content-type"]) == (201, {"via": "fast"}, "application/json")
+        assert r.headers["content-length"] == str(len(b'{"via": "fast"}'))
+        # declined: FastAPI answers, having read the very bytes the handler saw (replayed)
+        r = c.post("/hot", json={"n": 2}, headers={"x-skip": "1"})
+        assert (r.status_code, r.json()) == (200, {"via": "framework", "n": 2})
+        r = c.post("/hot", content=b'{"m": 3}', headers={"content-type": "application/json"})
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "n"]
+        # a body in chunks is gathered whole
+        r = c.post("/hot", content=iter([b'{"n"', b": 4}"]), headers={"content-type": "application/json"})
+        assert r.status_code == 201 and seen[-1] == b'{"n": 4}'
+        # other paths and methods never reach the handler
+        n = len(seen)
+        assert c.post("/cold", json={"n": 5}).json() == {"via": "cold", "n": 5}
+        assert c.get("/hot").status_code == 405
+        assert len(seen) == n
+
+
+def test_a_chunked_body_over_the_limit_is_refused_in_the_error_format():
+    app, seen = make_app()
+    with TestClient(app) as c:
+        big = b'{"n": 1, "pad": "' + b"x" * 2000 + b'"}'
+        r = c.post("/hot", content=iter([big[i:i + 100] for i in range(0, len(big), 100)]),
+                   headers={"content-type": "application/json"})
+        assert r.status_code == 413
+        assert r.json() == {"error": {"message": "request body larger than 1000 bytes", "type": "http_error"}}
+        assert seen == []
