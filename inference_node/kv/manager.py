@@ -35,6 +35,7 @@ worst); expiries use a binary heap with lazy deletion.
 from __future__ import annotations
 
 import heapq
+import struct
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -68,6 +69,7 @@ GPU: Final = 0
 HOST: Final = 1
 
 _new_object = object.__new__  # a Block without the call to __init__ (the hot path sets every slot)
+_HASH_OF = struct.Struct(">Q").unpack_from  # eventbus.hashing.block_hash, as a 1-tuple
 
 
 class OutOfBlocks(RuntimeError):
@@ -155,16 +157,21 @@ class KvStats:
 
 
 class Block:
-    """One cached (or private) block. Identity for the heaps: ``uid``."""
+    """One cached (or private) block. Identity for the heaps: ``uid`` (a block's parent has a
+    smaller one). A cached block holds ``block_size`` tokens.
+
+    NOTE: ``KVCacheManager.allocate`` creates blocks inline (``object.__new__`` and every slot
+    set there): a slot added here must be set there too.
+    """
 
     __slots__ = (
-        "cand", "children", "depth", "digest", "duration", "exp_version", "gpu_children", "hash", "hits",
-        "last_used", "level", "lora_id", "num_tokens", "parent", "priority", "ref", "released_at", "side_ver",
-        "slot", "tag", "token_ids", "uid",
+        "cand", "children", "digest", "duration", "exp_version", "gpu_children", "hash", "hits",
+        "last_used", "level", "lora_id", "parent", "priority", "ref", "released_at", "side_ver",
+        "slot", "tag", "uid",
     )
 
     def __init__(self, uid: int, slot: int, digest: BlockDigest | None = None, hash_: int = 0,
-                 parent: Block | None = None, num_tokens: int = 0, lora_id: int | None = None,
+                 parent: Block | None = None, lora_id: int | None = None,
                  priority: int = DEFAULT_PRIORITY, duration: float | None = None) -> None:
         self.uid = uid
         self.slot = slot
@@ -172,16 +179,13 @@ class Block:
         self.digest = digest  # None: private (not cached, not shared)
         self.hash: BlockHash = hash_  # type: ignore[assignment]  # NOTE: no NewType call on the hot path
         self.parent = parent
-        self.num_tokens = num_tokens
         self.lora_id = lora_id
-        self.token_ids: tuple[int, ...] | None = None
         self.priority = priority
         self.duration = duration
         self.ref = 1
         self.last_used = 0
         self.children = 0  # cached children on any tier
         self.gpu_children = 0  # cached children on the GPU
-        self.depth: int = parent.depth + 1 if parent is not None else 0
         self.hits = 0
         self.tag = -1  # the adaptive policy's class of the block
         self.released_at = 0.0  # clock time it last became evictable
@@ -221,6 +225,7 @@ class KVCacheManager:
         self.clock = clock
         self.block_size = config.block_size
         self._window_size = config.window_size
+        self._max_events = config.max_queued_events
         self._host_enabled = config.num_host_blocks > 0
         # NOTE: free lists pop from the end; reversed so that slot 0 is handed out first.
         self._free: list[list[int]] = [
@@ -293,7 +298,10 @@ class KVCacheManager:
             if b is None:
                 break
             if not b.ref:
-                b.exp_version += 1  # the retention clock stops while the block is in use
+                # The retention clock stops while the block is in use. An evictable block has a
+                # live expiry entry only while it has a duration (_start_clock, _expire).
+                if b.duration is not None:
+                    b.exp_version += 1
                 if b.cand == IN_LIST and not b.level:
                     b.cand = PINNED
                     n_listed += 1
@@ -378,7 +386,6 @@ class KVCacheManager:
         end = n_full if n_full <= n_blocks else n_blocks
         if n_matched < end:
             parent = blocks[-1] if n_matched else None
-            depth = parent.depth + 1 if parent is not None else 0
             if parent is not None:  # pinned by this request: not in an eviction index
                 parent.children += 1
                 parent.gpu_children += 1
@@ -391,23 +398,22 @@ class KVCacheManager:
             new = _new_object
             append_block = blocks.append
             append_stored = stored.append
-            from_bytes = int.from_bytes
+            hash_of = _HASH_OF
             for i in range(n_matched, end):
                 if hinted:
                     lo = i * bs
                     prio, dur, tag = self._new_block_retention(retention, lo, lo + bs, num_tokens, i,
                                                                n_full, n_matched)
                 d = digests[i]
-                h = from_bytes(d[:8], "big")
+                h = hash_of(d)[0]
                 uid += 1
                 nb: Block = new(Block)
                 nb.uid = uid
                 nb.slot = new_slots[i - n_matched]
                 nb.level = GPU
                 nb.digest = d
-                nb.hash = h  # type: ignore[assignment]  # NOTE: no NewType call on the hot path
+                nb.hash = h
                 nb.parent = parent
-                nb.num_tokens = bs
                 nb.lora_id = lora_id
                 nb.priority = prio
                 nb.duration = dur
@@ -415,7 +421,6 @@ class KVCacheManager:
                 nb.last_used = 0
                 nb.children = 1
                 nb.gpu_children = 1
-                nb.depth = depth
                 nb.hits = 0
                 nb.tag = tag
                 nb.released_at = 0.0
@@ -424,15 +429,12 @@ class KVCacheManager:
                 nb.exp_version = 0
                 cached[d] = nb
                 if token_ids is None:
-                    nb.token_ids = None
                     append_stored(StoredBlock(h, bs, lora_id, GPU, prio, None))
                 else:
                     lo = i * bs
-                    nb.token_ids = toks = tuple(token_ids[lo:lo + bs])
-                    append_stored(StoredBlock(h, bs, lora_id, GPU, prio, list(toks)))
+                    append_stored(StoredBlock(h, bs, lora_id, GPU, prio, list(token_ids[lo:lo + bs])))
                 append_block(nb)
                 parent = nb
-                depth += 1
             nb.children = nb.gpu_children = 0  # the last one
             self._emit(Stored(blocks[n_matched - 1].hash if n_matched else None, stored))
         for i in range(n_full, n_blocks):  # the partial tail: private
@@ -496,9 +498,9 @@ class KVCacheManager:
             if digest not in self._cached and (parent is None or parent.digest == parent_digest):
                 prio, dur, block.tag = self._new_block_retention(
                     req.retention, idx * bs, (idx + 1) * bs, req.prompt.num_tokens, idx, len(req.prompt.digests), 0)
-                self._register(block, digest, parent, bs, req.prompt.lora_id, prio, dur, toks)
+                self._register(block, digest, parent, req.prompt.lora_id, prio, dur)
                 self._emit(Stored(parent_hash=parent.hash if parent is not None else None,
-                                  blocks=[self._stored_block(block)]))
+                                  blocks=[self._stored_block(block, toks)]))
         self._close_removed()
         copies, self._copies = self._copies, []
         return block.slot, copies
@@ -513,14 +515,14 @@ class KVCacheManager:
         if self._expiry:
             self._expire()
         free = self._free[GPU]
-        tick = self._tick
+        start = tick = self._tick
         timed = self._adaptive is not None
         # Blocks in use are on the GPU, and each release is the newest: each goes to the back of
         # its priority's list (EvictionIndex.add_released, inlined); a pinned one is there already.
+        # A priority's tail (the newest last_used in its list) is set when its run of releases ends.
         index = self._index[GPU]
         lists, tails = index._lists, index._tails
-        n = 0
-        last_p = -1
+        p = -1
         lst = lists[0]
         for b in reversed(req.blocks):
             if b.digest is None:
@@ -532,20 +534,21 @@ class KVCacheManager:
                 b.last_used = tick
                 if timed or b.duration is not None:
                     self._start_clock(b)
-                p = b.priority
-                if p != last_p:
+                if b.priority != p:
+                    if p >= 0:
+                        tails[p] = tick - 1
+                    p = b.priority
                     index._mask |= 1 << p
                     lst = lists[p]
-                    last_p = p
                 if b.cand == PINNED:
                     lst.move_to_end(b)
                 else:
                     lst[b] = None
-                tails[p] = tick
                 b.cand = IN_LIST
-                n += 1
+        if p >= 0:
+            tails[p] = tick
         self._tick = tick
-        index.count += n
+        index.count += tick - start
         self._open_removed = None
 
     def tick(self) -> None:
@@ -596,11 +599,16 @@ class KVCacheManager:
 
     def cached_blocks(self) -> list[SnapshotBlock]:
         """The cache's ground truth, parents before children (as in a ``snapshot``)."""
-        out = sorted(self._cached.values(), key=lambda b: (b.depth, b.uid))
+        # A cached block's parent is cached and older (smaller uid): depths in one pass by uid.
+        depth: dict[Block, int] = {}
+        for b in sorted(self._cached.values(), key=lambda b: b.uid):
+            depth[b] = depth[b.parent] + 1 if b.parent is not None else 0
+        out = sorted(depth, key=lambda b: (depth[b], b.uid))
+        bs = self.block_size
         return [
             SnapshotBlock(
                 block_hash=b.hash, parent_hash=b.parent.hash if b.parent is not None else None,
-                num_tokens=b.num_tokens, lora_id=b.lora_id, cache_level=b.level, priority=b.priority,
+                num_tokens=bs, lora_id=b.lora_id, cache_level=b.level, priority=b.priority,
             )
             for b in out
         ]
@@ -663,28 +671,23 @@ class KVCacheManager:
                              is_decode=lo >= prompt_len))
         return DEFAULT_PRIORITY, None, -1
 
-    def _register(self, b: Block, digest: BlockDigest, parent: Block | None, num_tokens: int,
-                  lora_id: int | None, priority: int, duration: float | None,
-                  token_ids: Sequence[int] | None) -> None:
+    def _register(self, b: Block, digest: BlockDigest, parent: Block | None, lora_id: int | None,
+                  priority: int, duration: float | None) -> None:
         b.digest = digest
         b.hash = block_hash(digest)
         b.parent = parent
-        b.num_tokens = num_tokens
         b.lora_id = lora_id
         b.priority = priority
         b.duration = duration
-        if self.config.emit_token_ids and token_ids is not None:
-            b.token_ids = tuple(token_ids)
         if parent is not None:  # pinned by the request that stores b: not in an eviction index
-            b.depth = parent.depth + 1
             parent.children += 1
             parent.gpu_children += 1
         self._cached[digest] = b
 
-    def _stored_block(self, b: Block) -> StoredBlock:
-        return StoredBlock(block_hash=b.hash, num_tokens=b.num_tokens, lora_id=b.lora_id,
+    def _stored_block(self, b: Block, token_ids: Sequence[int]) -> StoredBlock:
+        return StoredBlock(block_hash=b.hash, num_tokens=self.block_size, lora_id=b.lora_id,
                            cache_level=b.level, priority=b.priority,
-                           token_ids=list(b.token_ids) if b.token_ids is not None else None)
+                           token_ids=list(token_ids) if self.config.emit_token_ids else None)
 
     def _release(self, b: Block) -> None:
         b.ref -= 1
@@ -916,7 +919,7 @@ class KVCacheManager:
             self.stats.events_overflowed += 1
             return
         q = self._events
-        if len(q) >= self.config.max_queued_events and not always:
+        if len(q) >= self._max_events and not always:
             # Overflow: drop what is queued (never delivered, so its ids are reused) and owe the
             # consumer a snapshot at the next drain.
             self.stats.events_overflowed += len(q) + 1
