@@ -560,6 +560,14 @@ class KVCacheManager:
 
     def match_prefix(self, prompt: Prompt) -> tuple[int, int]:
         """How many of the prompt's leading full blocks are cached on (GPU, host); no side effects."""
+        if not self._host_enabled:  # every cached block is on the GPU
+            cached = self._cached
+            gpu = 0
+            for d in prompt.digests:
+                if d not in cached:
+                    break
+                gpu += 1
+            return gpu, 0
         gpu = host = 0
         get = self._cached.get
         for d in prompt.digests:
@@ -759,7 +767,6 @@ class KVCacheManager:
                 # The fast path: pop the front of priority p's list while it lasts (nothing
                 # else enters the index meanwhile, unless a parent is unparked: then re-check).
                 n_taken = 0
-                removals = 0
                 while lst:
                     b = lst.popitem(last=False)[0]
                     if b.cand == PINNED:  # in use: it returns to the back when released
@@ -768,14 +775,12 @@ class KVCacheManager:
                     if b.gpu_children:
                         b.cand = PARKED  # still counted: it is evictable once its children go
                         continue
+                    # _remove(b), inlined. (No exp_version bump: with its digest gone, b's
+                    # expiry entries are stale for good.)
                     b.cand = NOT_EVICTABLE
                     n_taken += 1
-                    # _remove(b), inlined
                     del cached[b.digest]  # type: ignore[arg-type]
-                    removals += 1
-                    par = b.parent
                     b.digest = None
-                    b.exp_version += 1
                     # Consecutive removals within one operation share one `removed` event.
                     if removed is not None and len(removed) < EVENT_BLOCKS_CHUNK:
                         removed.append(b.hash)
@@ -783,20 +788,19 @@ class KVCacheManager:
                         removed = [b.hash]
                         self._emit(Removed(block_hashes=removed))
                     append(b.slot)
+                    par = b.parent
                     if par is not None:
                         par.children -= 1
                         par.gpu_children -= 1
                         if par.cand == PARKED:
-                            k -= n_taken
-                            n_taken = 0
                             self._unpark_parent(par)
                             break
                     if n_taken == k:
                         break
-                k -= n_taken
-                if removals:
-                    index.count -= removals
-                    evictions[p] = evictions.get(p, 0) + removals
+                if n_taken:
+                    k -= n_taken
+                    index.count -= n_taken
+                    evictions[p] = evictions.get(p, 0) + n_taken
                 continue
             popped = index.pop()
             if popped is None:
