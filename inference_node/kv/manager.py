@@ -376,8 +376,11 @@ class KVCacheManager:
                     if raised is not None and raised[0] >= b.priority:
                         self._set_priority(b, raised[0], raised[1])
                         b.tag = raised[2]
-        block_table = [b.slot for b in blocks]
-        block_table += new_slots
+        if n_matched:
+            block_table = [b.slot for b in blocks]
+            block_table += new_slots
+        else:
+            block_table = new_slots.copy()
 
         # 5. New blocks: full ones are cached (one chained `stored` event), the tail is private.
         #    Each new full block but the last has one child (the next), on the GPU.
@@ -436,10 +439,18 @@ class KVCacheManager:
                 append_block(nb)
                 parent = nb
             nb.children = nb.gpu_children = 0  # the last one
-            self._emit(Stored(blocks[n_matched - 1].hash if n_matched else None, stored))
-        for i in range(n_full, n_blocks):  # the partial tail: private
-            uid += 1
-            blocks.append(Block(uid, new_slots[i - n_matched]))
+            data = Stored(blocks[n_matched - 1].hash if n_matched else None, stored)
+            q = self._events
+            if self._overflowed or len(q) >= self._max_events:
+                self._emit(data)
+            else:  # _emit, inlined
+                q.append(Event(self._next_event_id, self._window_size, data))
+                self._next_event_id += 1
+                self.stats.events_emitted += 1
+        if n_blocks > n_full:
+            for i in range(n_full, n_blocks):  # the partial tail: private
+                uid += 1
+                blocks.append(Block(uid, new_slots[i - n_matched]))
         self._uid = uid
 
         # 6. Bookkeeping.
