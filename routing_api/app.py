@@ -139,51 +139,67 @@ FastHandler = Callable[[bytes, dict[bytes, bytes]], Awaitable[tuple[int, bytes] 
 class FastPath:
     """Answer hot ``POST`` endpoints without the framework: plain ASGI in, JSON bytes out.
 
-    For ``POST /v1/route`` FastAPI's routing, dependency solving, ``json.loads`` + validation of a
-    dict, and response classes cost about as much CPU as the decision's own work. The handler
-    validates the same pydantic model from the raw bytes (``model_validate_json``) and checks the
-    same API keys; when it returns None (an invalid body, a missing key: any answer that is not
-    the endpoint's own), the request goes on to FastAPI with its body replayed, so errors and
-    the OpenAPI schema stay FastAPI's.
+    For ``POST /v1/route`` FastAPI's middleware, routing, dependency solving, ``json.loads`` +
+    validation of a dict, and response classes cost about as much CPU as the decision's own work.
+    The handler validates the same pydantic model from the raw bytes (``model_validate_json``) and
+    checks the same API keys; when it returns None (an invalid body, a missing key: any answer that
+    is not the endpoint's own), the request goes on to ``app`` with its body replayed, so errors
+    and the OpenAPI schema stay FastAPI's. So does a body over ``max_bytes``: the app's own limit
+    then answers 413.
     """
 
-    def __init__(self, app: Any, routes: dict[str, FastHandler]) -> None:
+    def __init__(self, app: Any, routes: dict[str, FastHandler], max_bytes: int) -> None:
         self.app = app
         self.routes = routes
+        self.max_bytes = max_bytes
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         handler = self.routes.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
         if handler is None:
             await self.app(scope, receive, send)
             return
-        chunks = []
-        try:
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    return
-                chunks.append(message.get("body", b""))
-                if not message.get("more_body", False):
-                    break
-        except HTTPException as exc:  # the body limit (BodyLimit, outside) refused the body
-            await _send_json(send, exc.status_code, msgspec.json.encode(
-                {"error": {"message": exc.detail, "type": "http_error"}}))  # as FastAPI's on_http
-            return
+        chunks: list[bytes] = []
+        size = 0
+        more = True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # a disconnect: let the app see it
+                await self.app(scope, _replay(chunks, False, receive, message), send)
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            more = message.get("more_body", False)
+            if size > self.max_bytes:
+                await self.app(scope, _replay(chunks, more, receive), send)
+                return
         body = b"".join(chunks)
         answer = await handler(body, dict(scope["headers"]))
         if answer is not None:
             await _send_json(send, *answer)
             return
-        replayed = False
+        await self.app(scope, _replay([body], False, receive), send)
 
-        async def replay() -> Any:
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
 
-        await self.app(scope, replay, send)
+def _replay(chunks: list[bytes], more: bool, receive: Any, then: Any = None) -> Any:
+    """An ASGI ``receive`` that gives the body read so far again, then ``then``, then ``receive``."""
+    pending: list[Any] = [{"type": "http.request", "body": b"".join(chunks), "more_body": more}]
+    if then is not None:
+        pending.append(then)
+
+    async def replayed() -> Any:
+        return pending.pop(0) if pending else await receive()
+
+    return replayed
+
+
+class RouterApp(FastAPI):
+    """FastAPI with :class:`FastPath` outermost in its middleware stack (``fast_routes``)."""
+
+    fast_routes: dict[str, FastHandler]
+    max_body_bytes: int
+
+    def build_middleware_stack(self) -> Any:
+        return FastPath(super().build_middleware_stack(), self.fast_routes, self.max_body_bytes)
 
 
 async def _send_json(send: Any, status: int, content: bytes) -> None:
@@ -223,7 +239,7 @@ def create_app(settings: RouterSettings | None = None, database_url: str | None 
             await client.aclose()
             await state_box["s"].reader.close()
 
-    app = FastAPI(title="kvflow routing API", version="1", lifespan=lifespan,
+    app = RouterApp(title="kvflow routing API", version="1", lifespan=lifespan,
                   description="KV-aware routing over the materialized cache state of an inference fleet.")
 
     def st() -> RouterState:
@@ -495,7 +511,7 @@ def create_app(settings: RouterSettings | None = None, database_url: str | None 
     async def prom() -> Response:
         return Response(generate_latest(metrics.registry), media_type="text/plain; version=0.0.4")
 
-    # Outermost first: the body limit, then the framework-free path of POST /v1/route.
-    app.add_middleware(FastPath, routes={"/v1/route": route_fast})
     app.add_middleware(BodyLimit, max_bytes=s.max_request_bytes)
+    app.fast_routes = {"/v1/route": route_fast}  # outside all middleware (RouterApp)
+    app.max_body_bytes = s.max_request_bytes
     return app

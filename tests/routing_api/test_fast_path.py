@@ -7,7 +7,7 @@ from fastapi.testclient import TestClient
 from pydantic import BaseModel
 
 from eventbus.http import BodyLimit
-from routing_api.app import FastPath
+from routing_api.app import RouterApp
 
 
 class Body(BaseModel):
@@ -15,7 +15,7 @@ class Body(BaseModel):
 
 
 def make_app() -> tuple[FastAPI, list[bytes]]:
-    app = FastAPI()
+    app = RouterApp()
     seen: list[bytes] = []
 
     @app.post("/hot")
@@ -32,8 +32,9 @@ def make_app() -> tuple[FastAPI, list[bytes]]:
             return None
         return 201, b'{"via": "fast"}'
 
-    app.add_middleware(FastPath, routes={"/hot": fast})
     app.add_middleware(BodyLimit, max_bytes=1000)
+    app.fast_routes = {"/hot": fast}
+    app.max_body_bytes = 1000
     return app, seen
 
 
@@ -58,12 +59,25 @@ def test_the_handler_answers_or_the_framework_gets_the_same_body():
         assert len(seen) == n
 
 
-def test_a_chunked_body_over_the_limit_is_refused_in_the_error_format():
+def test_a_body_over_the_limit_goes_to_the_framework_whole_and_is_refused_there():
     app, seen = make_app()
+
+    @app.exception_handler(413)
+    async def too_big(request, exc):  # the router's format (its on_http handler)
+        from fastapi.responses import JSONResponse
+
+        return JSONResponse(status_code=413, content={"error": {"message": exc.detail, "type": "http_error"}})
+
     with TestClient(app) as c:
         big = b'{"n": 1, "pad": "' + b"x" * 2000 + b'"}'
         r = c.post("/hot", content=iter([big[i:i + 100] for i in range(0, len(big), 100)]),
                    headers={"content-type": "application/json"})
         assert r.status_code == 413
         assert r.json() == {"error": {"message": "request body larger than 1000 bytes", "type": "http_error"}}
-        assert seen == []
+        r = c.post("/hot", content=big, headers={"content-type": "application/json"})  # declared length
+        assert r.status_code == 413
+        # at the limit exactly, a chunked body is read whole and handled
+        ok = b'{"n": 1, "pad": "' + b"x" * (1000 - 19) + b'"}'
+        assert len(ok) == 1000
+        r = c.post("/hot", content=iter([ok[:500], ok[500:]]), headers={"content-type": "application/json"})
+        assert r.status_code == 201 and seen == [ok]

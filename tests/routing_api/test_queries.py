@@ -78,3 +78,45 @@ def test_sql_prefix_matches_refuses_a_partial_hash(reader_url):
             await reader.close()
 
     asyncio.run(query())
+
+
+def test_hot_connections_bound_reuse_and_replace_broken_ones(migrated_database_url):
+    """At most ``size`` connections; idle ones reused; one that failed or died is never reused."""
+    from routing_api.queries import HotConnections
+
+    dsn = plain_dsn(migrated_database_url)
+
+    async def scenario() -> None:
+        opened: list[asyncpg.Connection] = []
+
+        async def connect() -> asyncpg.Connection:
+            conn = await asyncpg.connect(dsn)
+            opened.append(conn)
+            return conn
+
+        hot = HotConnections(connect, size=2)
+        try:
+            pids = await asyncio.gather(*(hot.fetch("SELECT pg_backend_pid(), pg_sleep(0.05)") for _ in range(6)))
+            assert len(opened) == 2 and len({r[0][0] for r in pids}) == 2  # 6 queries, 2 connections
+            with pytest.raises(asyncpg.DivisionByZeroError):
+                await hot.fetch("SELECT 1 / 0")
+            assert sum(c.is_closed() for c in opened) == 1  # the failed one is gone, not pooled
+            # a connection the server ended while idle: skipped, and the query still answers
+            admin = await asyncpg.connect(dsn)
+            try:
+                for c in opened:
+                    if not c.is_closed():
+                        await admin.execute("SELECT pg_terminate_backend($1)", c.get_server_pid())
+            finally:
+                await admin.close()
+            await asyncio.sleep(0.2)
+            before = len(opened)
+            try:
+                assert (await hot.fetch("SELECT 41 + 1"))[0][0] == 42  # the dead one known closed: skipped
+            except (asyncpg.ConnectionDoesNotExistError, asyncpg.AdminShutdownError, asyncpg.InterfaceError):
+                assert (await hot.fetch("SELECT 41 + 1"))[0][0] == 42  # it failed once, then was dropped
+            assert len(opened) == before + 1
+        finally:
+            await hot.close()
+
+    asyncio.run(scenario())
