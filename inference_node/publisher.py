@@ -160,6 +160,8 @@ class KafkaSink:
         self.producer.poll(0)
 
     def in_flight(self) -> int:
+        """Messages not yet delivered, as librdkafka counts them (``len(producer)``: its own protocol
+        requests waiting for a broker too, a few at most; fine for backpressure)."""
         return len(self.producer)
 
     def failed(self) -> int:

@@ -47,7 +47,9 @@ def test_a_message_kafka_refuses_counts_as_lost_and_asks_for_a_snapshot():
         core = filled_core(64, part_blocks=16_384)
         pub = Publisher(core, sink, "n", "i", max_batch_bytes=1 << 20)
         pub.pump()  # created, the first snapshot and the stored events: one batch far over 2 kB
-        assert sink.in_flight() == 0
+        # Refused at produce() (counted there, not by a delivery report). NOTE: no check of
+        # in_flight() here: len(producer) also counts librdkafka's own protocol requests (the
+        # bootstrap attempts to localhost:1), 0-2 of them at any moment.
         assert sink.failed() == 1 and "too large" in (sink.last_error or "").lower()
         pub.pump()  # the loss is noticed: a snapshot is owed
         assert core.stats.snapshots == 2
