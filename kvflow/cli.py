@@ -338,6 +338,7 @@ def bench_node_cmd(json_path: JsonOpt = None, quick: QuickOpt = False,
 def router_cmd(
     host: Annotated[str | None, typer.Option(help="Bind address (default 127.0.0.1).")] = None,
     port: Annotated[int | None, typer.Option(help="HTTP port (default 8000).")] = None,
+    workers: Annotated[int | None, typer.Option(help="Router processes on the port (default 1).")] = None,
     log_level: Annotated[str, typer.Option(help="Log level.")] = "info",
 ) -> None:
     """Run the routing API: KV-aware decisions over PostgreSQL, a proxy to the nodes, a dashboard."""
@@ -351,15 +352,21 @@ def router_cmd(
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def run() -> None:
-        overrides: dict[str, Any] = {k: v for k, v in {"host": host, "port": port}.items() if v is not None}
+        given = {"host": host, "port": port, "workers": workers}
+        overrides: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
         try:
             settings = RouterSettings(**overrides)
-            app_ = create_app(settings)
+            app_ = create_app(settings)  # refuses a bad configuration here, before any worker starts
         except ValueError as exc:
             raise StackError(str(exc)) from exc
         console.print(f"router listening on http://{settings.host}:{settings.port} "
-                      f"(dashboard: http://{settings.host}:{settings.port}/dashboard)", highlight=False)
-        uvicorn.run(app_, host=settings.host, port=settings.port, log_level=log_level.lower(), access_log=False)
+                      f"(dashboard: http://{settings.host}:{settings.port}/dashboard)"
+                      + (f", {settings.workers} processes" if settings.workers > 1 else ""), highlight=False)
+        if settings.workers == 1:
+            uvicorn.run(app_, host=settings.host, port=settings.port, log_level=log_level.lower(), access_log=False)
+        else:  # each worker process builds its app from the same environment
+            uvicorn.run("routing_api.app:create_app", factory=True, workers=settings.workers, host=settings.host,
+                        port=settings.port, log_level=log_level.lower(), access_log=False)
 
     guarded("router", run)
 

@@ -17,6 +17,9 @@ class RouterSettings(BaseSettings):
 
     host: str = Field(default="127.0.0.1", description="Bind address.")
     port: int = Field(default=8000, description="HTTP port.")
+    workers: int = Field(default=1, ge=1, le=64, description=(
+        "Router processes sharing the port. Each keeps its own in-flight counts, suspicion marks and "
+        "recent decisions (/v1/stats, the dashboard), so one process is the most exact; more scale throughput."))
     api_keys: SecretStr | None = Field(
         default=None,
         description="Comma-separated `key[:tenant[:scope+scope]]`; scopes route, complete, read (default all). "

@@ -2,13 +2,15 @@
 
 A fresh database holds 32 live nodes × 50k cached blocks. 128 prompts of 2k–32k tokens are each
 cached (a prefix of 50–100 %) on one to three nodes; the rest of every node is filler. A
-``kvflow router`` process answers ``POST /v1/route`` for those prompts, as text, sent by a lean
+``kvflow router`` answers ``POST /v1/route`` for those prompts, as text, sent by a lean
 keep-alive HTTP client (``kvflow.bench.httpload``: httpx alone would take as much CPU as the
 router). Two phases: latency, one decision at a time (``p50_ms``, ``p99_ms``, client side); then
-throughput, ``concurrency`` connections in flight, in 3 rounds of a third of the requests
-(``decisions_per_s``: the median round, every round in ``details``; that phase's latencies are
-``loaded_p50_ms`` / ``loaded_p99_ms``). Baseline: the router's one SQL query alone (asyncpg,
-same prompts), p50. Goals on this 2-core machine: p50 ≤ 2 ms, p99 ≤ 10 ms, ≥ 1,000 decisions/s.
+throughput, ``concurrency`` connections in flight to a router of ``workers`` processes (2: one per
+core), in 3 rounds of a third of the requests (``decisions_per_s``: the median round, every round
+in ``details``; that phase's latencies are ``loaded_p50_ms`` / ``loaded_p99_ms``); then the same
+against one router process (``one_process_decisions_per_s``). Baseline: the router's one SQL
+query alone (asyncpg, same prompts), p50. Goals on this 2-core machine: p50 ≤ 2 ms, p99 ≤ 10 ms,
+≥ 1,000 decisions/s.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import random
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -105,12 +108,46 @@ def _load(port: int, bodies: list[bytes], n: int, concurrency: int) -> tuple[Loa
     return res, [msgspec.json.decode(b)["decision_ms"] / 1000 for b in res.bodies]
 
 
+@contextmanager
+def _router(reader: str, workers: int) -> Iterator[int]:
+    """A ``kvflow router`` subprocess with ``workers`` processes, answering on the yielded port."""
+    port = free_port()
+    env = {**os.environ, "KVFLOW_DATABASE_READER_URL": reader}
+    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvflow-bench-route-{port}.log"
+    proc = subprocess.Popen([sys.executable, "-m", "kvflow.cli", "router", "--port", str(port), "--workers",
+                             str(workers), "--log-level", "warning"], env=env, cwd=PROJECT, stdout=log.open("ab"),
+                            stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError(f"the router did not start; see {log}")
+            time.sleep(0.2)
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def _throughput(port: int, bodies: list[bytes], requests: int,
+                concurrency: int) -> list[tuple[LoadResult, list[float]]]:
+    """3 rounds of a third of ``requests`` each, after a warm-up."""
+    _load(port, bodies, 200, concurrency)
+    return [_load(port, bodies, max(1, requests // 3), concurrency) for _ in range(3)]
+
+
 def bench_route(*, nodes: int = 32, blocks_per_node: int = 50_000, prompts: int = 128, requests: int = 3000,
-                concurrency: int = 4, say: Callable[[str], None] = lambda _m: None) -> BenchResult:
+                concurrency: int = 4, workers: int = 2, say: Callable[[str], None] = lambda _m: None) -> BenchResult:
     res = BenchResult("route")
     rng = random.Random(21)
     texts = make_prompts(prompts, rng)
     admin = DatabaseSettings()
+    bodies = [msgspec.json.encode({"prompt": t}) for t in texts]
     with scratch_database(admin.writer(), "kvflow_bench_route") as url:
         say(f"filling PostgreSQL: {nodes} nodes x {blocks_per_node:,} blocks …")
         asyncio.run(_fill(url, nodes, blocks_per_node, texts, rng))
@@ -121,40 +158,27 @@ def bench_route(*, nodes: int = 32, blocks_per_node: int = 50_000, prompts: int 
         _sql_baseline_warm = asyncio.run(_sql_baseline(reader, texts, 50))
         sql = asyncio.run(_sql_baseline(reader, texts, 400))
         del _sql_baseline_warm
-        port = free_port()
-        env = {**os.environ, "KVFLOW_DATABASE_READER_URL": reader}
-        log = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvflow-bench-route-{port}.log"
-        proc = subprocess.Popen([sys.executable, "-m", "kvflow.cli", "router", "--port", str(port),
-                                 "--log-level", "warning"], env=env, cwd=PROJECT, stdout=log.open("ab"),
-                                stderr=subprocess.STDOUT)
-        base = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError(f"the router did not start; see {log}")
-                time.sleep(0.2)
-            bodies = [msgspec.json.encode({"prompt": t}) for t in texts]
-            _load(port, bodies, 200, concurrency)  # warm-up
+        with _router(reader, workers) as port:
+            _load(port, bodies, 200, 1)  # warm-up
             say(f"{requests:,} decisions through the HTTP API, one at a time (latency) …")
             serial, serial_server = _load(port, bodies, requests, 1)
-            say(f"{requests:,} decisions through the HTTP API, {concurrency} in flight, in 3 rounds (throughput) …")
-            rounds = [_load(port, bodies, max(1, requests // 3), concurrency) for _ in range(3)]
-        finally:
-            proc.terminate()
-            proc.wait(30)
+            say(f"{requests:,} decisions, {concurrency} in flight, {workers} router processes, 3 rounds …")
+            rounds = _throughput(port, bodies, requests, concurrency)
+        if workers != 1:
+            with _router(reader, 1) as port:
+                say(f"{requests:,} decisions, {concurrency} in flight, one router process, 3 rounds …")
+                one = _throughput(port, bodies, requests, concurrency)
+        else:
+            one = rounds
     lat = serial.latencies
     rates = [r.per_second for r, _ in rounds]
+    one_rates = [r.per_second for r, _ in one]
     loaded_lat = [x for r, _ in rounds for x in r.latencies]
     loaded_server = [x for _, srv in rounds for x in srv]
     res.figures.update({
         "p50_ms": percentile(lat, 50) * 1000, "p99_ms": percentile(lat, 99) * 1000,
         "decisions_per_s": sorted(rates)[1],
+        "one_process_decisions_per_s": sorted(one_rates)[1],
         "serial_decisions_per_s": serial.per_second,
         "loaded_p50_ms": percentile(loaded_lat, 50) * 1000,
         "loaded_p99_ms": percentile(loaded_lat, 99) * 1000,
@@ -167,5 +191,7 @@ def bench_route(*, nodes: int = 32, blocks_per_node: int = 50_000, prompts: int 
     res.goals.update({"p50_ms": "<= 2", "p99_ms": "<= 10", "decisions_per_s": ">= 1000"})
     res.details.update({"nodes": nodes, "blocks_per_node": blocks_per_node, "prompts": prompts,
                         "prompt_tokens_mean": sum(map(len, texts)) / len(texts), "requests": requests,
-                        "concurrency": concurrency, "throughput_rounds_per_s": [round(r, 1) for r in rates]})
+                        "concurrency": concurrency, "router_processes": workers,
+                        "throughput_rounds_per_s": [round(r, 1) for r in rates],
+                        "one_process_rounds_per_s": [round(r, 1) for r in one_rates]})
     return res
