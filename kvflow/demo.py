@@ -244,10 +244,12 @@ class Demo:
                 if lag == 0 or time.monotonic() > deadline:
                     break
                 await asyncio.sleep(0.5)
-            history = await conn.fetchval("SELECT count(*) FROM block_events WHERE node_id = ANY($1::text[])",
-                                          list(emitted))
+            # This run's instances only: the same node ids may have history from earlier demos.
+            this_run = ("(node_id, instance_id) IN "
+                        "(SELECT node_id, instance_id FROM nodes WHERE node_id = ANY($1::text[]))")
+            history = await conn.fetchval(f"SELECT count(*) FROM block_events WHERE {this_run}", list(emitted))
             events = await conn.fetchval("SELECT count(DISTINCT (node_id, instance_id, event_id)) FROM block_events "
-                                         "WHERE node_id = ANY($1::text[])", list(emitted))
+                                         f"WHERE {this_run}", list(emitted))
             pinned = await conn.fetchval("SELECT count(*) FROM node_blocks WHERE priority = 100 AND "
                                          "node_id = ANY($1::text[])", list(emitted))
         finally:
