@@ -88,9 +88,9 @@ class Demo:
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None, url: str | None = None) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        log = (self.log_dir / f"{name}.log").open("ab")
-        proc = subprocess.Popen([sys.executable, "-m", "kvflow.cli", *args], env={**self.env, **(env or {})},
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        with (self.log_dir / f"{name}.log").open("ab") as log:  # the child keeps its own handle
+            proc = subprocess.Popen([sys.executable, "-m", "kvflow.cli", *args], env={**self.env, **(env or {})},
+                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.services.append(Service(name, proc, url))
 
     def stop(self) -> None:

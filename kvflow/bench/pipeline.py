@@ -122,8 +122,9 @@ def _materializer(k: KafkaSettings, url: str, log: Path, **env: str) -> subproce
          "KVFLOW_KAFKA_CONTROL_TOPIC": k.control_topic, "KVFLOW_DATABASE_URL": url,
          "KVFLOW_MATERIALIZER_GROUP_ID": f"bench-{uuid.uuid4().hex[:8]}", "KVFLOW_MATERIALIZER_WEB_PORT": "0",
          **env}
-    return subprocess.Popen([sys.executable, "-m", "kvflow.cli", "materializer", "--loglevel", "warn"], env=e,
-                            stdout=log.open("ab"), stderr=subprocess.STDOUT, cwd=PROJECT)
+    with log.open("ab") as out:  # the child keeps its own handle
+        return subprocess.Popen([sys.executable, "-m", "kvflow.cli", "materializer", "--loglevel", "warn"], env=e,
+                                stdout=out, stderr=subprocess.STDOUT, cwd=PROJECT)
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:

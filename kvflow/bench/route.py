@@ -114,9 +114,10 @@ def _router(reader: str, workers: int) -> Iterator[int]:
     port = free_port()
     env = {**os.environ, "KVFLOW_DATABASE_READER_URL": reader}
     log = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvflow-bench-route-{port}.log"
-    proc = subprocess.Popen([sys.executable, "-m", "kvflow.cli", "router", "--port", str(port), "--workers",
-                             str(workers), "--log-level", "warning"], env=env, cwd=PROJECT, stdout=log.open("ab"),
-                            stderr=subprocess.STDOUT)
+    with log.open("ab") as out:  # the child keeps its own handle
+        proc = subprocess.Popen([sys.executable, "-m", "kvflow.cli", "router", "--port", str(port), "--workers",
+                                 str(workers), "--log-level", "warning"], env=env, cwd=PROJECT, stdout=out,
+                                stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60
         while True:
