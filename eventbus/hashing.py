@@ -141,21 +141,6 @@ def block_hash(digest: bytes) -> BlockHash:
     return BlockHash(int.from_bytes(digest[:8], "big"))
 
 
-_SIGNED_HEAD = struct.Struct(">q")
-
-
-def prompt_sql_hashes(
-    token_ids: Sequence[int],
-    block_size: int = DEFAULT_BLOCK_SIZE,
-    *,
-    lora_id: int | None = None,
-    cache_salt: str | bytes | None = None,
-) -> list[int]:
-    """The prompt's full-block hashes as PostgreSQL ``bigint`` (``to_sql(block_hash(d))``, in C)."""
-    unpack = _SIGNED_HEAD.unpack_from
-    return [unpack(d)[0] for d in chain_digests(token_ids, block_size, lora_id=lora_id, cache_salt=cache_salt)]
-
-
 def prompt_hash_heads(
     token_ids: Sequence[int],
     block_size: int = DEFAULT_BLOCK_SIZE,

@@ -185,22 +185,28 @@ JsonOpt = Annotated[str | None, typer.Option("--json", help="Write the result as
 QuickOpt = Annotated[bool, typer.Option("--quick", help="A small, fast version (for smoke tests).")]
 
 
+def _run_bench(name: str, json_path: str | None, produce: Callable[[Callable[[str], None]], Any]) -> None:
+    """Run a benchmark (``produce(say)`` returns its BenchResult), print it, and write it as JSON."""
+
+    def run() -> None:
+        result = produce(lambda m: console.print(f"[dim]{m}[/]"))
+        result.print(console)
+        if json_path:
+            result.write_json(json_path)
+            console.print(f"wrote {json_path}")
+
+    guarded(f"bench {name}", run)
+
+
 @bench_app.command("kv")
 def bench_kv_cmd(json_path: JsonOpt = None, quick: QuickOpt = False,
                  repeats: Annotated[int, typer.Option(help="Interleaved rounds.")] = 5) -> None:
     """KV core: cost per operation vs an OrderedDict LRU; hit rates vs LRU and Belady on Mooncake."""
     from kvflow.bench.kv import bench_kv
 
-    def run() -> None:
-        kw = {"num_blocks": 2_000, "requests": 1_500, "repeats": 2, "capacities": (400,), "trace_limit": 1_500} \
-            if quick else {"repeats": repeats}
-        result = bench_kv(say=lambda m: console.print(f"[dim]{m}[/]"), **kw)
-        result.print(console)
-        if json_path:
-            result.write_json(json_path)
-            console.print(f"wrote {json_path}")
-
-    guarded("bench kv", run)
+    kw: dict[str, Any] = {"num_blocks": 2_000, "requests": 1_500, "repeats": 2, "capacities": (400,),
+                          "trace_limit": 1_500} if quick else {"repeats": repeats}
+    _run_bench("kv", json_path, lambda say: bench_kv(say=say, **kw))
 
 
 @app.command("materializer")
@@ -246,15 +252,8 @@ def bench_pipeline_cmd(json_path: JsonOpt = None, quick: QuickOpt = False) -> No
     """Block events/s from Kafka into PostgreSQL (one worker) vs raw COPY; freshness at 10k events/s."""
     from kvflow.bench.pipeline import bench_pipeline
 
-    def run() -> None:
-        kw = {"nodes": 2, "requests_per_node": 300, "freshness_s": 3.0, "rounds": 1} if quick else {}
-        result = bench_pipeline(say=lambda m: console.print(f"[dim]{m}[/]"), **kw)  # type: ignore[arg-type]
-        result.print(console)
-        if json_path:
-            result.write_json(json_path)
-            console.print(f"wrote {json_path}")
-
-    guarded("bench pipeline", run)
+    kw: dict[str, Any] = {"nodes": 2, "requests_per_node": 300, "freshness_s": 3.0, "rounds": 1} if quick else {}
+    _run_bench("pipeline", json_path, lambda say: bench_pipeline(say=say, **kw))
 
 
 @app.command("node")
@@ -322,16 +321,8 @@ def bench_node_cmd(json_path: JsonOpt = None, quick: QuickOpt = False,
     """Prefill of a long prompt 90% cached vs cold, prefill and decode tokens/s."""
     from kvflow.bench.node import bench_node
 
-    def run() -> None:
-        kw: dict[str, Any] = {"preset": "tiny", "prompt_tokens": 512, "repeats": 2, "decode_steps": 8} \
-            if quick else {}
-        result = bench_node(device=device, say=lambda m: console.print(f"[dim]{m}[/]"), **kw)
-        result.print(console)
-        if json_path:
-            result.write_json(json_path)
-            console.print(f"wrote {json_path}")
-
-    guarded("bench node", run)
+    kw: dict[str, Any] = {"preset": "tiny", "prompt_tokens": 512, "repeats": 2, "decode_steps": 8} if quick else {}
+    _run_bench("node", json_path, lambda say: bench_node(device=device, say=say, **kw))
 
 
 @app.command("router")
@@ -376,15 +367,8 @@ def bench_route_cmd(json_path: JsonOpt = None, quick: QuickOpt = False) -> None:
     """Routing decisions through the HTTP API (32 nodes x 50k blocks) vs the bare SQL query."""
     from kvflow.bench.route import bench_route
 
-    def run() -> None:
-        kw: dict[str, Any] = {"nodes": 4, "blocks_per_node": 2000, "prompts": 16, "requests": 200} if quick else {}
-        result = bench_route(say=lambda m: console.print(f"[dim]{m}[/]"), **kw)
-        result.print(console)
-        if json_path:
-            result.write_json(json_path)
-            console.print(f"wrote {json_path}")
-
-    guarded("bench route", run)
+    kw: dict[str, Any] = {"nodes": 4, "blocks_per_node": 2000, "prompts": 16, "requests": 200} if quick else {}
+    _run_bench("route", json_path, lambda say: bench_route(say=say, **kw))
 
 
 @app.command("demo")

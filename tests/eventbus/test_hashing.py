@@ -78,19 +78,26 @@ def test_tokens_pack_little_endian_u32():
     assert prompt_block_hashes(list(range(31)), 32) == []
 
 
-def test_sql_hashes_are_the_wire_hashes_read_as_signed():
-    from eventbus.hashing import prompt_sql_hashes
+def _heads(packed: bytes, signed: bool) -> list[int]:
+    return [int.from_bytes(packed[i:i + 8], "big", signed=signed) for i in range(0, len(packed), 8)]
+
+
+def test_packed_heads_are_the_wire_hashes_and_read_signed_the_sql_hashes():
+    from eventbus.hashing import prompt_hash_heads
     from eventbus.protocol import to_sql
 
     tokens = list(range(500))
-    assert prompt_sql_hashes(tokens, 32, cache_salt="x") == [
-        to_sql(h) for h in prompt_block_hashes(tokens, 32, cache_salt="x")]
+    wire = prompt_block_hashes(tokens, 32, cache_salt="x")
+    heads = prompt_hash_heads(tokens, 32, cache_salt="x")
+    assert _heads(heads, signed=False) == wire
+    assert _heads(heads, signed=True) == [to_sql(h) for h in wire]
 
 
 def test_bytes_are_byte_tokens_everywhere():
     """``bytes`` is a sequence of token ids 0–255 (the byte tokenizer): the strided fast path of
     pack_tokens, chain_digests and prompt_hash_heads give what the list of ints gives."""
-    from eventbus.hashing import prompt_hash_heads, prompt_sql_hashes
+    from eventbus.hashing import prompt_hash_heads
+    from eventbus.protocol import to_sql
 
     data = bytes(range(256)) * 3 + b"tail"
     ints = list(data)
@@ -99,5 +106,4 @@ def test_bytes_are_byte_tokens_everywhere():
     assert chain_digests(data, 32, cache_salt="s") == chain_digests(ints, 32, cache_salt="s")
     heads = prompt_hash_heads(data, 32, lora_id=2)
     assert len(heads) == 8 * (len(data) // 32)
-    assert [int.from_bytes(heads[i:i + 8], "big", signed=True) for i in range(0, len(heads), 8)] == \
-        prompt_sql_hashes(ints, 32, lora_id=2)
+    assert _heads(heads, signed=True) == [to_sql(h) for h in prompt_block_hashes(ints, 32, lora_id=2)]

@@ -12,7 +12,8 @@ import asyncpg
 import pytest
 from fastapi.testclient import TestClient
 
-from eventbus.hashing import prompt_sql_hashes
+from eventbus.hashing import prompt_block_hashes
+from eventbus.protocol import to_sql
 from routing_api.app import create_app
 from routing_api.config import RouterSettings
 from state_store.config import plain_dsn
@@ -39,7 +40,7 @@ def fill(url: str) -> None:
                 await conn.execute(
                     "INSERT INTO nodes (node_id, instance_id, status, url, model, block_size, capacity_gpu, last_seen)"
                     " VALUES ($1, 'i', 'live', $2, $3, $4, 1000, $5)", node, node_url, model, bs, now)
-                hashes = prompt_sql_hashes(TOKENS, bs)[:cached]
+                hashes = [to_sql(h) for h in prompt_block_hashes(TOKENS, bs)][:cached]
                 await conn.copy_records_to_table(
                     "node_blocks", columns=["node_id", "block_hash", "cache_level", "priority", "num_tokens",
                                             "stored_at", "updated_at"],
