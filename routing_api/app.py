@@ -279,12 +279,13 @@ def create_app(settings: RouterSettings | None = None, database_url: str | None 
     # ------------------------------------------------------------------ deciding
 
     fleet_cache: dict[str | None, FleetView] = {}
-    fleet_rows: list[list[Any]] = [[]]  # the rows fleet_cache was derived from (held: no id reuse)
+    fleet_rows: list[Any] = []  # the rows fleet_cache was derived from (held: no id reuse)
 
     def fleet_views(rows: list[Any], model: str | None) -> FleetView:
-        if fleet_rows[0] is not rows:  # the reader has read the nodes table again
+        nonlocal fleet_rows
+        if fleet_rows is not rows:  # the reader has read the nodes table again
             fleet_cache.clear()
-            fleet_rows[0] = rows
+            fleet_rows = rows
         fv = fleet_cache.get(model)
         if fv is None:
             fv = fleet_cache[model] = fleet_view(rows, model, s.block_size)
