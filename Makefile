@@ -12,10 +12,20 @@ PYTEST_ARGS ?=
 help: ## List the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "} {printf "  \033[36m%-10s\033[0m %s\n", $$1, $$2}'
 
-$(STAMP): pyproject.toml
+# The materializer's compiled hot path (native/, Rust): built when a Rust toolchain is there;
+# without one kvflow runs in pure Python (the same results, slower).
+CARGO := $(shell command -v cargo 2>/dev/null || { test -x $(HOME)/.cargo/bin/cargo && echo $(HOME)/.cargo/bin/cargo; })
+NATIVE_SOURCES := native/pyproject.toml native/Cargo.toml native/Cargo.lock $(wildcard native/src/*.rs)
+
+$(STAMP): pyproject.toml $(NATIVE_SOURCES)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip setuptools wheel
 	$(BIN)/python -m pip install --quiet -e '.[test]'
+ifneq ($(CARGO),)
+	PATH="$(dir $(CARGO)):$$PATH" $(BIN)/python -m pip install --quiet ./native
+else
+	@echo "note: no Rust toolchain (cargo): kvflow_native is not built, the materializer plans in pure Python"
+endif
 	@touch $@
 
 install: $(STAMP) ## Create .venv and install kvflow with its test extras
@@ -26,7 +36,7 @@ demo: $(STAMP) ## The main job: stack, materializer, router, two nodes, a worklo
 test: $(STAMP) browser ## The whole suite (unit + integration) against a real local stack, then stop it
 	@was_up=0; $(BIN)/kvflow stack status --check >/dev/null 2>&1 && was_up=1; \
 	$(BIN)/kvflow stack up && $(BIN)/kvflow db upgrade \
-	  && KVFLOW_REQUIRE_SERVICES=1 $(BIN)/pytest $(PYTEST_ARGS); \
+	  && KVFLOW_REQUIRE_SERVICES=1 KVFLOW_REQUIRE_NATIVE=$(if $(CARGO),1,0) $(BIN)/pytest $(PYTEST_ARGS); \
 	status=$$?; \
 	if [ $$was_up -eq 0 ]; then $(BIN)/kvflow stack down || status=1; fi; \
 	exit $$status

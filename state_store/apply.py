@@ -26,7 +26,7 @@ Pure: no I/O, so every rule is unit-tested exactly (``tests/state_store/test_app
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from datetime import UTC, datetime
 from typing import NamedTuple, Protocol
 
@@ -98,6 +98,20 @@ class Counts:
     new_instances: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class NativeWrites:
+    """The writes of a take planned by the compiled hot path (:mod:`state_store.native`), in
+    PostgreSQL's binary COPY form: ``block_events`` rows (``HISTORY_COLUMNS``), ``node_blocks``
+    rows to upsert (all columns, ``BlockRow`` order) and keys to delete (node_id, block_hash)."""
+
+    history: bytes
+    upserts: bytes
+    deletes: bytes
+    history_rows: int
+    upsert_rows: int
+    delete_rows: int
+
+
 @dataclass
 class Plan:
     history: list[HistoryRow] = field(default_factory=list)
@@ -110,6 +124,23 @@ class Plan:
     #: the newest batch timestamp applied per node (freshness)
     batch_ts: list[float] = field(default_factory=list)
     counts: Counts = field(default_factory=Counts)
+    #: the writes of the nodes the compiled hot path planned (history/upserts/deletes: the others')
+    native: NativeWrites | None = None
+
+    def merge(self, other: Plan) -> None:
+        """Add the plan of other nodes (of the same take) to this one."""
+        assert self.native is None or other.native is None
+        assert not (self.nodes.keys() & other.nodes.keys())
+        self.history += other.history
+        self.resets |= other.resets
+        self.upserts.update(other.upserts)
+        self.deletes |= other.deletes
+        self.nodes.update(other.nodes)
+        self.resync |= other.resync
+        self.batch_ts += other.batch_ts
+        self.native = self.native or other.native
+        for f in fields(Counts):
+            setattr(self.counts, f.name, getattr(self.counts, f.name) + getattr(other.counts, f.name))
 
 
 def ts(seconds: float) -> datetime:

@@ -35,6 +35,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+import state_store.native
 from eventbus.config import Environment, KafkaSecurityProtocol, KafkaSettings, RuntimeSettings
 from eventbus.protocol import (
     ControlCommand,
@@ -71,6 +72,8 @@ class MaterializerSettings(BaseSettings):
     pool_size: int = Field(default=2, ge=1, description="Database connections.")
     datadir: str | None = Field(default=None, description="faust's data folder (no tables are kept there).")
     session_timeout_s: float = Field(default=10.0, description="Kafka group session timeout.")
+    native: bool = Field(default=True, description="Plan plain takes with the compiled hot path when kvflow_native "
+                                                   "is installed (state_store/native.py).")
 
 
 class Metrics:
@@ -239,7 +242,9 @@ def build_app(kafka: KafkaSettings | None = None, db: DatabaseSettings | None = 
             return
         await ask_for_snapshots(record(applied, time.perf_counter() - t0))
 
-    pipeline = EventsPipeline(writer, retrying, apply_reading, record, ask_for_snapshots)
+    native = ms.native and state_store.native.available()
+    log.info("planning: %s", "compiled hot path (kvflow_native) and Python" if native else "Python")
+    pipeline = EventsPipeline(writer, retrying, apply_reading, record, ask_for_snapshots, native=native)
     app.kvflow_pipeline = pipeline  # type: ignore[attr-defined]
 
     @app.agent(events_topic, name="kv-events")
@@ -332,13 +337,15 @@ class EventsPipeline:
     """
 
     def __init__(self, writer: Writer, retrying: Any, slow_path: Any, record: Any, ask: Any,
-                 depth: int = 2) -> None:
+                 depth: int = 2, native: bool = False) -> None:
         self.writer = writer
         self.retrying = retrying
         self.slow_path = slow_path
         self.record = record
         self.ask = ask
-        self.cache = NodeCache()
+        self.cache: NodeCache = state_store.native.NativeNodeCache() if native else NodeCache()
+        self.native_takes = 0
+        self.python_takes = 0
         self.queue: asyncio.Queue[_Item] = asyncio.Queue(depth)
         self.generation = 0
         self.stale_caches = 0
@@ -368,20 +375,56 @@ class EventsPipeline:
                     self.cache.load(nodes, blocks, missing)
             if gen == self.generation:
                 expected = self.cache.expected(node_ids)
-                planner = Planner(self.cache.nodes, self.cache)
-                for i, b in enumerate(batches):
-                    planner.add(b)
-                    if i % 16 == 15:
-                        # NOTE: planning is CPU work in the event loop; yielding lets the previous
-                        # take's transaction stream its COPY meanwhile. The cache is not touched
-                        # until the plan is whole, and only this coroutine plans.
-                        await asyncio.sleep(0)
-                p = planner.finish()
-                if gen == self.generation:
+                p = await self._plan(batches, gen)
+                if p is not None and gen == self.generation:
                     self.cache.apply(p)
                 else:
                     p = None
         await self.queue.put(_Item(items, events, p, expected, gen))
+
+    async def _plan(self, batches: list[EventBatch], gen: int) -> Plan | None:
+        """The take's plan (None: the cache was dropped meanwhile). Only this coroutine plans.
+
+        With the compiled hot path, the batches of every node it can plan go there; the nodes it
+        cannot (found one at a time, the hot path planning again without each) go to the
+        reference planner. Nodes are independent, so the two plans are one transaction's writes.
+
+        NOTE: planning is CPU work in the event loop; yielding every 16 batches lets the previous
+        take's transaction stream its COPY meanwhile."""
+        cache = self.cache
+        fast_plan: Plan | None = None
+        slow = batches
+        if isinstance(cache, state_store.native.NativeNodeCache):
+            excluded: set[str] = set()
+            while fast_plan is None:
+                fast = cache.fast_planner()
+                for i, b in enumerate(batches):
+                    if b.node_id in excluded:
+                        continue
+                    if not fast.add(b):
+                        fast.abort()
+                        excluded.add(b.node_id)
+                        break
+                    if i % 16 == 15:
+                        await asyncio.sleep(0)
+                        if gen != self.generation:  # the store was cleared under the planner
+                            return None
+                else:
+                    fast_plan = fast.finish()
+            slow = [b for b in batches if b.node_id in excluded]
+            if not slow:
+                self.native_takes += 1
+                return fast_plan
+        self.python_takes += 1
+        planner = Planner(cache.nodes, cache)
+        for i, b in enumerate(slow):
+            planner.add(b)
+            if i % 16 == 15:
+                await asyncio.sleep(0)
+        p = planner.finish()
+        if fast_plan is not None:
+            p.merge(fast_plan)
+        return p
 
     async def _write_loop(self) -> None:
         while True:

@@ -9,19 +9,27 @@ node's batches one after the other, and the second sees the first one's ``last_e
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import random
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime
 from typing import Any, TypeVar
 
 import asyncpg
 
 from eventbus.protocol import EventBatch
-from state_store.apply import HISTORY_COLUMNS, BlockRow, NodeRow, Plan, blocks_to_look_up, plan
+from state_store.apply import (
+    HISTORY_COLUMNS,
+    BlockRow,
+    NativeWrites,
+    NodeRow,
+    Plan,
+    blocks_to_look_up,
+    plan,
+)
 from state_store.config import plain_dsn
+from state_store.pgtime import from_pg_micros, pg_micros
 
 log = logging.getLogger("kvflow.materializer")
 T = TypeVar("T")
@@ -61,16 +69,37 @@ DELETE_BLOCKS = """
 DELETE FROM node_blocks nb USING unnest($1::text[], $2::bigint[]) AS d(node_id, block_hash)
 WHERE nb.node_id = d.node_id AND nb.block_hash = d.block_hash
 """
-UPSERT_BLOCKS = """
-INSERT INTO node_blocks (node_id, block_hash, parent_hash, cache_level, priority, num_tokens, lora_id,
-                         window_size, stored_at, updated_at)
-SELECT * FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::smallint[], $5::smallint[], $6::integer[],
-                     $7::bigint[], $8::integer[], $9::timestamptz[], $10::timestamptz[])
+BLOCK_COLUMNS = ("node_id", "block_hash", "parent_hash", "cache_level", "priority", "num_tokens", "lora_id",
+                 "window_size", "stored_at", "updated_at")
+_ON_CONFLICT = """
 ON CONFLICT (node_id, block_hash) DO UPDATE SET
   parent_hash = EXCLUDED.parent_hash, cache_level = EXCLUDED.cache_level, priority = EXCLUDED.priority,
   num_tokens = EXCLUDED.num_tokens, lora_id = EXCLUDED.lora_id, window_size = EXCLUDED.window_size,
   stored_at = EXCLUDED.stored_at, updated_at = EXCLUDED.updated_at
 """
+UPSERT_BLOCKS = f"""
+INSERT INTO node_blocks ({", ".join(BLOCK_COLUMNS)})
+SELECT * FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::smallint[], $5::smallint[], $6::integer[],
+                     $7::bigint[], $8::integer[], $9::timestamptz[], $10::timestamptz[])
+{_ON_CONFLICT}"""
+# The compiled hot path's node_blocks changes arrive as COPY data into per-connection staging tables
+# (emptied at every commit), then one statement each applies them. (Made with each connection, once
+# the schema is there; a connection without them fails its hot-path write, which is replanned.)
+CREATE_STAGING = """
+DO $$ BEGIN
+  IF to_regclass('node_blocks') IS NOT NULL THEN
+    CREATE TEMP TABLE IF NOT EXISTS kvflow_stage_upserts (LIKE node_blocks) ON COMMIT DELETE ROWS;
+    CREATE TEMP TABLE IF NOT EXISTS kvflow_stage_deletes (node_id text NOT NULL, block_hash bigint NOT NULL)
+      ON COMMIT DELETE ROWS;
+  END IF;
+END $$
+"""
+DELETE_STAGED = """
+DELETE FROM node_blocks nb USING kvflow_stage_deletes d WHERE nb.node_id = d.node_id AND nb.block_hash = d.block_hash
+"""
+UPSERT_STAGED = f"""
+INSERT INTO node_blocks ({", ".join(BLOCK_COLUMNS)}) SELECT {", ".join(BLOCK_COLUMNS)} FROM kvflow_stage_upserts
+{_ON_CONFLICT}"""
 UPDATE_NODES = """
 UPDATE nodes n SET
   instance_id = u.instance_id, last_event_id = u.last_event_id,
@@ -108,29 +137,18 @@ class StaleCache(Exception):
     """The database is not where the worker's cache said it was (another worker wrote there)."""
 
 
-_PG_EPOCH = datetime(2000, 1, 1, tzinfo=UTC)
-
-
-@functools.lru_cache(maxsize=16_384)
 def _timestamptz_encode(value: datetime) -> tuple[int]:
-    """A timestamptz as PostgreSQL's binary form: microseconds since 2000-01-01 UTC (naive = UTC).
-
-    NOTE: asyncpg's own encoder costs ~0.7 µs a value and was a third of the materializer's CPU
-    (every history row carries the batch's time). The rows of a batch share one ``datetime``
-    object, so a cache turns nearly every encode into a dict hit: ~3x less CPU for the COPY."""
-    if value.tzinfo is None:
-        value = value.replace(tzinfo=UTC)
-    d = value - _PG_EPOCH
-    return ((d.days * 86_400 + d.seconds) * 1_000_000 + d.microseconds,)
+    return (pg_micros(value),)
 
 
 def _timestamptz_decode(value: tuple[int]) -> datetime:
-    return _PG_EPOCH + timedelta(microseconds=value[0])
+    return from_pg_micros(value[0])
 
 
 async def _init_connection(conn: asyncpg.Connection) -> None:
     await conn.set_type_codec("timestamptz", schema="pg_catalog", encoder=_timestamptz_encode,
                               decoder=_timestamptz_decode, format="tuple")
+    await conn.execute(CREATE_STAGING)
 
 
 class Writer:
@@ -226,6 +244,8 @@ class Writer:
 async def write(conn: asyncpg.Connection, p: Plan) -> None:
     if p.resets:
         await conn.execute(RESET_BLOCKS, sorted(p.resets))
+    if p.native is not None:  # the nodes the compiled hot path planned (disjoint from the others)
+        await _write_native(conn, p.native)
     if p.deletes:
         dn, dh = zip(*p.deletes, strict=True)
         await conn.execute(DELETE_BLOCKS, list(dn), list(dh))
@@ -234,6 +254,34 @@ async def write(conn: asyncpg.Connection, p: Plan) -> None:
         await conn.execute(UPSERT_BLOCKS, *map(list, zip(*p.upserts.values(), strict=True)))
     if p.history:
         await conn.copy_records_to_table("block_events", records=p.history, columns=HISTORY_COLUMNS)
+    await _write_nodes(conn, p)
+
+
+async def _write_native(conn: asyncpg.Connection, n: NativeWrites) -> None:
+    if n.delete_rows:
+        await _copy(conn, "kvflow_stage_deletes", n.deletes, ("node_id", "block_hash"))
+        await conn.execute(DELETE_STAGED)
+    if n.upsert_rows:
+        await _copy(conn, "kvflow_stage_upserts", n.upserts, BLOCK_COLUMNS)
+        await conn.execute(UPSERT_STAGED)
+    if n.history_rows:
+        await _copy(conn, "block_events", n.history, HISTORY_COLUMNS)
+
+
+async def _copy(conn: asyncpg.Connection, table: str, data: bytes, columns: Sequence[str]) -> None:
+    """COPY … FROM STDIN (FORMAT binary) of data already in that form."""
+    async def chunks() -> AsyncIterator[memoryview]:
+        view = memoryview(data)
+        for i in range(0, len(view), _COPY_CHUNK):
+            yield view[i:i + _COPY_CHUNK]
+
+    await conn.copy_to_table(table, source=chunks(), columns=list(columns), format="binary")
+
+
+_COPY_CHUNK = 1 << 20
+
+
+async def _write_nodes(conn: asyncpg.Connection, p: Plan) -> None:
     if p.nodes:
         rows = list(p.nodes.values())
         await conn.execute(UPDATE_NODES, [r.node_id for r in rows], [r.instance_id for r in rows],
