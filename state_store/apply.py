@@ -124,23 +124,31 @@ class Plan:
     #: the newest batch timestamp applied per node (freshness)
     batch_ts: list[float] = field(default_factory=list)
     counts: Counts = field(default_factory=Counts)
-    #: the writes of the nodes the compiled hot path planned (history/upserts/deletes: the others')
+    #: set instead of history/upserts/deletes when the compiled hot path planned the take
     native: NativeWrites | None = None
+    #: plans of parts of the same take, written after this one's writes, in order, in the same
+    #: transaction (see :meth:`sequence`)
+    after: list[Plan] = field(default_factory=list)
 
-    def merge(self, other: Plan) -> None:
-        """Add the plan of other nodes (of the same take) to this one."""
-        assert self.native is None or other.native is None
-        assert not (self.nodes.keys() & other.nodes.keys())
-        self.history += other.history
-        self.resets |= other.resets
-        self.upserts.update(other.upserts)
-        self.deletes |= other.deletes
-        self.nodes.update(other.nodes)
-        self.resync |= other.resync
-        self.batch_ts += other.batch_ts
-        self.native = self.native or other.native
-        for f in fields(Counts):
-            setattr(self.counts, f.name, getattr(self.counts, f.name) + getattr(other.counts, f.name))
+    @staticmethod
+    def sequence(parts: list[Plan]) -> Plan:
+        """One plan of a take planned in parts, one after the other (a later part may continue
+        the nodes of an earlier one): the parts are written in order; the counts, batch times
+        and snapshot requests are the take's."""
+        if len(parts) == 1:
+            return parts[0]
+        # NOTE: one compiled part at most: its staging tables are emptied only at commit.
+        assert sum(part.native is not None for part in parts) <= 1
+        out = Plan(after=parts)
+        final: dict[str, NodeRow] = {}
+        for part in parts:
+            out.batch_ts += part.batch_ts
+            out.resync |= part.resync
+            final.update(part.nodes)
+            for f in fields(Counts):
+                setattr(out.counts, f.name, getattr(out.counts, f.name) + getattr(part.counts, f.name))
+        out.resync = {n for n in out.resync if final[n].status == RESYNCING}
+        return out
 
 
 def ts(seconds: float) -> datetime:

@@ -20,6 +20,7 @@ Run it with ``kvflow materializer`` (more workers with the same group id share t
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import logging
 import ssl
@@ -39,9 +40,11 @@ import state_store.native
 from eventbus.config import Environment, KafkaSecurityProtocol, KafkaSettings, RuntimeSettings
 from eventbus.protocol import (
     ControlCommand,
+    Created,
     EventBatch,
     NodeStats,
     ProtocolError,
+    Snapshot,
     decode_batch,
     decode_stats,
     encode,
@@ -51,6 +54,8 @@ from state_store.config import DatabaseSettings
 from state_store.writer import TRANSIENT, Applied, StaleCache, Writer, with_retry
 
 log = logging.getLogger("kvflow.materializer")
+#: Events that restart a node's state: only the reference planner plans them.
+_RESTARTS = (Created, Snapshot)
 #: A bad message too large for the DLQ is kept truncated to this size.
 DLQ_TRUNCATE_BYTES = 512 * 1024
 
@@ -244,7 +249,8 @@ def build_app(kafka: KafkaSettings | None = None, db: DatabaseSettings | None = 
 
     native = ms.native and state_store.native.available()
     log.info("planning: %s", "compiled hot path (kvflow_native) and Python" if native else "Python")
-    pipeline = EventsPipeline(writer, retrying, apply_reading, record, ask_for_snapshots, native=native)
+    pipeline = EventsPipeline(writer, retrying, apply_reading, record, ask_for_snapshots, native=native,
+                              batch_max=ms.batch_max)
     app.kvflow_pipeline = pipeline  # type: ignore[attr-defined]
 
     @app.agent(events_topic, name="kv-events")
@@ -253,7 +259,9 @@ def build_app(kafka: KafkaSettings | None = None, db: DatabaseSettings | None = 
         async for evs in stream.noack_take(ms.batch_max, within=ms.batch_within_s):
             good: list[tuple[Any, EventBatch]] = []
             bad: list[tuple[Any, str, str]] = []
-            for e in evs:
+            for i, e in enumerate(evs):
+                if i % 16 == 15:  # decoding is CPU work: let the previous take's COPY stream meanwhile
+                    await asyncio.sleep(0)
                 msg = e.message
                 try:
                     batch = decode_batch(msg.value or b"")
@@ -327,41 +335,89 @@ class _Item:
 class EventsPipeline:
     """Two stages, so that Python and PostgreSQL work at the same time.
 
-    Stage 1 (the faust agent, :meth:`submit`) plans each take of batches against the worker's
-    :class:`~state_store.apply.NodeCache` and queues the plan. Stage 2 (:meth:`_write_loop`, a task)
-    writes the plans in order, each in one transaction that first checks the database is where the
-    cache said, then acknowledges the take's messages. If it is not (another worker wrote these
-    nodes, e.g. during a rebalance) or a transaction fails on its data, the cache is dropped and
-    the queued takes go the slow path: planned inside their transaction from what the database
-    holds (``Writer.apply``).
+    The faust agent hands each take of decoded batches to :meth:`submit`, which only queues it.
+    Stage 1 (:meth:`_plan_loop`, a task) plans what has arrived against the worker's
+    :class:`~state_store.apply.NodeCache`; stage 2 (:meth:`_write_loop`, a task) writes the plans in
+    order, each in one transaction that first checks the database is where the cache said, then
+    acknowledges the take's messages. At most ``depth`` plans are planned and not yet written;
+    meanwhile the arriving takes wait, and the next plan takes all of them (up to about
+    ``batch_max`` messages): when the database is the bottleneck, transactions grow, and a block
+    stored and removed within one never touches ``node_blocks``. Beyond ``2 * batch_max`` waiting
+    messages the agent waits too (Kafka consumption pauses).
+
+    If the database is not where the cache said (another worker wrote these nodes, e.g. during a
+    rebalance) or a transaction fails on its data, the cache is dropped and the queued takes go
+    the slow path: planned inside their transaction from what the database holds
+    (``Writer.apply``).
     """
 
     def __init__(self, writer: Writer, retrying: Any, slow_path: Any, record: Any, ask: Any,
-                 depth: int = 2, native: bool = False) -> None:
+                 depth: int = 2, native: bool = False, batch_max: int = 2000) -> None:
         self.writer = writer
         self.retrying = retrying
         self.slow_path = slow_path
         self.record = record
         self.ask = ask
+        self.batch_max = batch_max
         self.cache: NodeCache = state_store.native.NativeNodeCache() if native else NodeCache()
         self.native_takes = 0
         self.python_takes = 0
-        self.queue: asyncio.Queue[_Item] = asyncio.Queue(depth)
+        self.queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self.slots = asyncio.Semaphore(depth)
+        self.pending: collections.deque[tuple[list[tuple[Any, EventBatch]], list[Any]]] = collections.deque()
+        self.pending_messages = 0
+        self._arrived = asyncio.Event()
+        self._room = asyncio.Event()
         self.generation = 0
         self.stale_caches = 0
-        self._task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
         self._ack: Any = None
 
     def start(self, ack: Any) -> None:
         self._ack = ack
-        if self._task is None or self._task.done():
-            self._task = asyncio.ensure_future(self._write_loop())
+        if not self._tasks or any(t.done() for t in self._tasks):
+            for t in self._tasks:
+                t.cancel()
+            self._tasks = [asyncio.ensure_future(self._plan_loop()), asyncio.ensure_future(self._write_loop())]
 
     def invalidate(self) -> None:
         self.generation += 1
         self.cache.clear()
 
     async def submit(self, items: list[tuple[Any, EventBatch]], events: list[Any]) -> None:
+        """Queue a take (its good batches; all its faust events, acknowledged once written)."""
+        self.pending.append((items, events))
+        self.pending_messages += len(events)
+        self._arrived.set()
+        while self.pending_messages > 2 * self.batch_max:
+            self._room.clear()
+            await self._room.wait()
+
+    async def _plan_loop(self) -> None:
+        while True:
+            await self.slots.acquire()  # released once a plan is written
+            while not self.pending:
+                self._arrived.clear()
+                await self._arrived.wait()
+            items: list[tuple[Any, EventBatch]] = []
+            events: list[Any] = []
+            while self.pending and len(events) < self.batch_max:
+                i, e = self.pending.popleft()
+                items += i
+                events += e
+            self.pending_messages -= len(events)
+            self._room.set()
+            try:
+                item = await self._prepare(items, events)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never lose the loop: the slow path plans it from the database
+                log.exception("planning a take failed; dropping the cache")
+                self.invalidate()
+                item = _Item(items, events, None, {}, self.generation)
+            self.queue.put_nowait(item)
+
+    async def _prepare(self, items: list[tuple[Any, EventBatch]], events: list[Any]) -> _Item:
         gen = self.generation
         p: Plan | None = None
         expected: dict[str, tuple[str, int] | None] = {}
@@ -376,54 +432,76 @@ class EventsPipeline:
             if gen == self.generation:
                 expected = self.cache.expected(node_ids)
                 p = await self._plan(batches, gen)
-                if p is not None and gen == self.generation:
-                    self.cache.apply(p)
-                else:
-                    p = None
-        await self.queue.put(_Item(items, events, p, expected, gen))
+        return _Item(items, events, p, expected, gen)
 
     async def _plan(self, batches: list[EventBatch], gen: int) -> Plan | None:
-        """The take's plan (None: the cache was dropped meanwhile). Only this coroutine plans.
+        """The take's plan, applied to the cache (None: the cache was dropped meanwhile, and the
+        take goes the slow path). Only this coroutine plans.
 
-        With the compiled hot path, the batches of every node it can plan go there; the nodes it
-        cannot (found one at a time, the hot path planning again without each) go to the
-        reference planner. Nodes are independent, so the two plans are one transaction's writes.
+        With the compiled hot path the take is planned in up to three parts, written in order:
+        1. the reference planner: each node's batches up to its last ``created`` or ``snapshot``
+           event (which only it plans), so that the hot path takes over right after a node starts
+           or resyncs;
+        2. the hot path: every other batch of every node it can plan;
+        3. the reference planner: the rest of the nodes the hot path could not plan (found one at
+           a time: the hot path plans again without each).
 
         NOTE: planning is CPU work in the event loop; yielding every 16 batches lets the previous
         take's transaction stream its COPY meanwhile."""
         cache = self.cache
-        fast_plan: Plan | None = None
-        slow = batches
-        if isinstance(cache, state_store.native.NativeNodeCache):
-            excluded: set[str] = set()
-            while fast_plan is None:
-                fast = cache.fast_planner()
-                for i, b in enumerate(batches):
-                    if b.node_id in excluded:
-                        continue
-                    if not fast.add(b):
-                        fast.abort()
-                        excluded.add(b.node_id)
-                        break
-                    if i % 16 == 15:
-                        await asyncio.sleep(0)
-                        if gen != self.generation:  # the store was cleared under the planner
-                            return None
-                else:
-                    fast_plan = fast.finish()
-            slow = [b for b in batches if b.node_id in excluded]
-            if not slow:
-                self.native_takes += 1
-                return fast_plan
-        self.python_takes += 1
-        planner = Planner(cache.nodes, cache)
-        for i, b in enumerate(slow):
+        if not isinstance(cache, state_store.native.NativeNodeCache):
+            self.python_takes += 1
+            return await self._plan_python(batches, gen)
+        last_restart: dict[str, int] = {}
+        for i, b in enumerate(batches):
+            if any(type(e.data) in _RESTARTS for e in b.events):
+                last_restart[b.node_id] = i
+        head = [b for i, b in enumerate(batches) if i <= last_restart.get(b.node_id, -1)]
+        tail = [b for i, b in enumerate(batches) if i > last_restart.get(b.node_id, -1)]
+        parts: list[Plan] = []
+        if head and (part := await self._plan_python(head, gen)) is not None:
+            parts.append(part)
+        excluded: set[str] = set()
+        while tail and gen == self.generation:
+            fast = cache.fast_planner()
+            for i, b in enumerate(tail):
+                if b.node_id in excluded:
+                    continue
+                if not fast.add(b):
+                    fast.abort()
+                    excluded.add(b.node_id)
+                    break
+                if i % 16 == 15:
+                    await asyncio.sleep(0)
+                    if gen != self.generation:  # the store was cleared under the planner
+                        return None
+            else:
+                part = fast.finish()
+                cache.apply(part)
+                if part.counts.batches:
+                    parts.append(part)
+                break
+        rest = [b for b in tail if b.node_id in excluded]
+        if rest and (part := await self._plan_python(rest, gen)) is not None:
+            parts.append(part)
+        if gen != self.generation:
+            return None
+        if len(parts) == 1 and parts[0].native is not None:
+            self.native_takes += 1
+        else:
+            self.python_takes += 1
+        return Plan.sequence(parts)
+
+    async def _plan_python(self, batches: list[EventBatch], gen: int) -> Plan | None:
+        planner = Planner(self.cache.nodes, self.cache)
+        for i, b in enumerate(batches):
             planner.add(b)
             if i % 16 == 15:
                 await asyncio.sleep(0)
+        if gen != self.generation:
+            return None
         p = planner.finish()
-        if fast_plan is not None:
-            p.merge(fast_plan)
+        self.cache.apply(p)
         return p
 
     async def _write_loop(self) -> None:
@@ -439,6 +517,7 @@ class EventsPipeline:
                 await self.slow_path(item.items)
             for e in item.events:
                 await self._ack(e)
+            self.slots.release()
 
     async def _write(self, item: _Item) -> None:
         if not item.items:

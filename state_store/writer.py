@@ -242,9 +242,11 @@ class Writer:
 
 
 async def write(conn: asyncpg.Connection, p: Plan) -> None:
+    for part in p.after:
+        await write(conn, part)
     if p.resets:
         await conn.execute(RESET_BLOCKS, sorted(p.resets))
-    if p.native is not None:  # the nodes the compiled hot path planned (disjoint from the others)
+    if p.native is not None:
         await _write_native(conn, p.native)
     if p.deletes:
         dn, dh = zip(*p.deletes, strict=True)
