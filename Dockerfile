@@ -1,6 +1,17 @@
 # One image for every kvflow Python service (migrate, materializer, router, inference nodes).
 # TORCH_INDEX_URL picks the torch build: CPU by default; the compose `gpu` profile builds with a
 # CUDA index instead.
+# The materializer's compiled hot path (native/, Rust): a wheel, built apart so that the image
+# carries no toolchain.
+FROM python:3.11-slim AS native
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends curl gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/* \
+ && curl -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal
+ENV PATH=/root/.cargo/bin:$PATH
+COPY native /native
+RUN pip wheel --no-deps --wheel-dir /wheels /native
+
 FROM python:3.11-slim AS base
 
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
@@ -21,8 +32,9 @@ RUN pip install --index-url "$TORCH_INDEX_URL" torch \
  && pip install . && pip uninstall -y kvflow && rm -rf kvflow
 
 COPY . .
-RUN pip install --no-deps . \
- && rm -rf build *.egg-info
+COPY --from=native /wheels /wheels
+RUN pip install --no-deps . /wheels/*.whl \
+ && rm -rf build *.egg-info /wheels
 
 USER kvflow
 ENV KVFLOW_ENV=production

@@ -106,6 +106,9 @@ class Metrics:
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=r)
         self.txn_seconds = Histogram("kvflow_materializer_transaction_seconds", "Time of one apply transaction",
                                      buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5), registry=r)
+        self.takes = Counter("kvflow_materializer_takes_total", "Takes written, by who planned them "
+                             "(compiled: the hot path alone; parts: it and the reference planner; python)",
+                             ["planner"], registry=r)
         self.last_commit = Gauge("kvflow_materializer_last_commit_timestamp_seconds", "Unix time of the last commit",
                                  registry=r)
 
@@ -207,6 +210,7 @@ def build_app(kafka: KafkaSettings | None = None, db: DatabaseSettings | None = 
         """Metrics of a committed transaction; returns the nodes to ask for a snapshot now."""
         m.txn_seconds.observe(seconds)
         p = applied.plan
+        m.takes.labels("parts" if p.after else "compiled" if p.native else "python").inc()
         c = p.counts
         now = time.time()
         m.batches.inc(c.batches - c.duplicates - c.stale_replays)
