@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import time
 
+import httpx
 import pytest
 from confluent_kafka import Producer
 
+import state_store.native
 from eventbus import protocol as p
 from eventbus.kafka import make_consumer
+from kvflow.stack import free_port
 from tests.support import (
     CoreNode,
     applied_through,
@@ -51,12 +54,29 @@ class Recorder:
         node.sink.send_batch = record  # type: ignore[method-assign]
 
 
-def test_random_workloads_of_three_nodes_materialize_exactly(kafka_settings, migrated_database_url, tmp_path):
+def takes(port: int) -> dict[str, float]:
+    """kvflow_materializer_takes_total by planner, from the worker's /metrics."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("kvflow_materializer_takes_total{"):
+            labels, value = line.rsplit(" ", 1)
+            out[labels.split('"')[1]] = float(value)
+    return out
+
+
+@pytest.mark.parametrize("planner", ["native", "python"])
+def test_random_workloads_of_three_nodes_materialize_exactly(kafka_settings, migrated_database_url, tmp_path,
+                                                             planner):
+    if planner == "native" and not state_store.native.available():
+        pytest.skip("kvflow_native is not installed (its own tests say whether it must be)")
     # node-2 sends its snapshots in parts of 3 blocks, and is asked for one every 40 steps.
     nodes = [CoreNode(kafka_settings, f"node-{i}", seed=i, snapshot_part_blocks=3 if i == 2 else 16_384)
              for i in range(3)]
     recs = [Recorder(n) for n in nodes]
-    mat = materializer(kafka_settings, migrated_database_url, tmp_path).start()
+    port = free_port()
+    mat = materializer(kafka_settings, migrated_database_url, tmp_path, KVFLOW_MATERIALIZER_WEB_PORT=str(port),
+                       KVFLOW_MATERIALIZER_NATIVE=str(planner == "native").lower()).start()
     try:
         for step in range(300):
             for n in nodes:
@@ -77,6 +97,11 @@ def test_random_workloads_of_three_nodes_materialize_exactly(kafka_settings, mig
         assert max(parts) > 3  # multi-part snapshots were really sent
         row = node_row(migrated_database_url, "node-0")
         assert row["capacity_gpu"] == 24 and row["capacity_host"] == 16 and row["window_size"] == 64
+        by = takes(port)
+        if planner == "native":  # the hot path planned takes (alone, or with the reference planner)
+            assert by.get("compiled", 0) + by.get("parts", 0) > 0, by
+        else:
+            assert by.get("python", 0) > 0 and by.get("compiled", 0) == by.get("parts", 0) == 0, by
     finally:
         mat.stop()
 
