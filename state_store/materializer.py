@@ -378,11 +378,14 @@ class EventsPipeline:
         self._ack: Any = None
 
     def start(self, ack: Any) -> None:
+        """Start (or restart, after the agent restarted) the two stages."""
         self._ack = ack
-        if not self._tasks or any(t.done() for t in self._tasks):
-            for t in self._tasks:
-                t.cancel()
-            self._tasks = [asyncio.ensure_future(self._plan_loop()), asyncio.ensure_future(self._write_loop())]
+        loops = (self._plan_loop, self._write_loop)
+        if not self._tasks:
+            self._tasks = [asyncio.ensure_future(loop()) for loop in loops]
+        for i, loop in enumerate(loops):
+            if self._tasks[i].done():
+                self._tasks[i] = asyncio.ensure_future(loop())
 
     def invalidate(self) -> None:
         self.generation += 1
@@ -519,9 +522,11 @@ class EventsPipeline:
                 log.exception("writing a take failed; dropping the cache and retrying it")
                 self.invalidate()
                 await self.slow_path(item.items)
-            for e in item.events:
-                await self._ack(e)
-            self.slots.release()
+            try:
+                for e in item.events:
+                    await self._ack(e)
+            finally:
+                self.slots.release()
 
     async def _write(self, item: _Item) -> None:
         if not item.items:
