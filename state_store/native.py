@@ -5,8 +5,8 @@ store, remove or update blocks as the stored state expects. :class:`NativeNodeCa
 worker's ``node_blocks`` rows in the extension's ``BlockStore`` and plans such a take there
 (:meth:`NativeNodeCache.plan_fast`): it reads the decoded batches and writes the ``block_events``
 rows and the net ``node_blocks`` change straight into binary COPY data, with no Python object per
-block event (:class:`~state_store.apply.NativeWrites`; ~10x less CPU than planning in Python and
-letting asyncpg encode the rows).
+block event (:class:`~state_store.apply.NativeWrites`; ~0.5 µs of CPU per block event against
+~3.7 µs for planning in Python and letting asyncpg encode the rows).
 
 Every other take (a node it has not seen, a new instance, a gap or a redelivery, a node not live,
 ``created`` or ``snapshot`` events, anything contradicting the stored state) is planned by the
