@@ -150,6 +150,12 @@ class Plan:
         out.resync = {n for n in out.resync if final[n].status == RESYNCING}
         return out
 
+    def planned_by(self) -> str:
+        """``compiled`` (the hot path alone), ``parts`` (it and the reference planner) or
+        ``python`` (the reference planner alone)."""
+        compiled = [part.native is not None for part in (self.after or [self])]
+        return "python" if not any(compiled) else "compiled" if len(compiled) == 1 else "parts"
+
 
 def ts(seconds: float) -> datetime:
     return datetime.fromtimestamp(seconds, tz=UTC)

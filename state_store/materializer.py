@@ -210,7 +210,7 @@ def build_app(kafka: KafkaSettings | None = None, db: DatabaseSettings | None = 
         """Metrics of a committed transaction; returns the nodes to ask for a snapshot now."""
         m.txn_seconds.observe(seconds)
         p = applied.plan
-        m.takes.labels("parts" if p.after else "compiled" if p.native else "python").inc()
+        m.takes.labels(p.planned_by()).inc()
         c = p.counts
         now = time.time()
         m.batches.inc(c.batches - c.duplicates - c.stale_replays)
@@ -364,8 +364,6 @@ class EventsPipeline:
         self.ask = ask
         self.batch_max = batch_max
         self.cache: NodeCache = state_store.native.NativeNodeCache() if native else NodeCache()
-        self.native_takes = 0
-        self.python_takes = 0
         self.queue: asyncio.Queue[_Item] = asyncio.Queue()
         self.slots = asyncio.Semaphore(depth)
         self.pending: collections.deque[tuple[list[tuple[Any, EventBatch]], list[Any]]] = collections.deque()
@@ -457,7 +455,6 @@ class EventsPipeline:
         take's transaction stream its COPY meanwhile."""
         cache = self.cache
         if not isinstance(cache, state_store.native.NativeNodeCache):
-            self.python_takes += 1
             return await self._plan_python(batches, gen)
         last_restart: dict[str, int] = {}
         for i, b in enumerate(batches):
@@ -493,10 +490,6 @@ class EventsPipeline:
             parts.append(part)
         if gen != self.generation:
             return None
-        if len(parts) == 1 and parts[0].native is not None:
-            self.native_takes += 1
-        else:
-            self.python_takes += 1
         return Plan.sequence(parts)
 
     async def _plan_python(self, batches: list[EventBatch], gen: int) -> Plan | None:
