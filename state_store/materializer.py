@@ -31,7 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiokafka
 import faust
+from faust.transport.drivers import aiokafka as faust_aiokafka
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -77,6 +79,8 @@ class MaterializerSettings(BaseSettings):
     pool_size: int = Field(default=2, ge=1, description="Database connections.")
     datadir: str | None = Field(default=None, description="faust's data folder (no tables are kept there).")
     session_timeout_s: float = Field(default=10.0, description="Kafka group session timeout.")
+    fetch_max_wait_ms: int = Field(default=100, ge=1, le=1500,
+                                   description="Longest a fetch waits at the broker for partitions without new data.")
     native: bool = Field(default=True, description="Plan plain takes with the compiled hot path when kvflow_native "
                                                    "is installed (state_store/native.py).")
 
@@ -129,6 +133,29 @@ def _credentials(k: KafkaSettings) -> dict[str, Any]:
     return {"broker_credentials": faust.SSLCredentials(context)}
 
 
+class _ConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
+    def _create_worker_consumer(self, transport: Any) -> aiokafka.AIOKafkaConsumer:
+        consumer = super()._create_worker_consumer(transport)
+        # faust passes fetch_max_wait_ms=1500 and has no setting for it. aiokafka does not fetch a
+        # partition again while its last records are still being consumed, and sends at most one
+        # fetch per broker at a time: a fetch of the other partitions, with nothing new to return,
+        # holds the broker's connection for up to this long while the consumed ones wait. Stalls of
+        # 0.5-0.7 s were seen mid-stream. The consumer reads this attribute when it starts its fetcher.
+        consumer._fetch_max_wait_ms = self.app.kvflow_fetch_max_wait_ms  # type: ignore[attr-defined]
+        return consumer
+
+
+class _Consumer(faust_aiokafka.Consumer):
+    def _new_consumer_thread(self) -> faust_aiokafka.AIOKafkaConsumerThread:
+        return _ConsumerThread(self, loop=self.loop, beacon=self.beacon)
+
+
+class _Transport(faust_aiokafka.Transport):
+    """faust's aiokafka transport, with a fetch wait of our own (see :class:`_ConsumerThread`)."""
+
+    Consumer = _Consumer
+
+
 def build_app(kafka: KafkaSettings | None = None, db: DatabaseSettings | None = None,
               ms: MaterializerSettings | None = None) -> faust.App:
     kafka = kafka or KafkaSettings()
@@ -165,6 +192,8 @@ def build_app(kafka: KafkaSettings | None = None, db: DatabaseSettings | None = 
         producer_max_request_size=11 * 1024 * 1024,  # the DLQ takes back messages up to 10 MiB
         **_credentials(kafka),
     )
+    app.kvflow_fetch_max_wait_ms = ms.fetch_max_wait_ms  # type: ignore[attr-defined]
+    app.transport = _Transport(app.conf.broker_consumer, app)
     m = app.kvflow_metrics = Metrics()  # type: ignore[attr-defined]
     writer = app.kvflow_writer = Writer(db.writer(), pool_size=ms.pool_size,  # type: ignore[attr-defined]
                                         resync_cooldown_s=ms.resync_cooldown_s)

@@ -220,3 +220,30 @@ def test_malformed_messages_go_to_the_dlq_and_good_ones_around_them_are_applied(
         assert len(mismatched) == 1
     finally:
         mat.stop()
+
+
+def test_the_worker_consumer_fetches_with_the_configured_wait(kafka_settings, migrated_database_url, monkeypatch):
+    """faust hard-codes a 1.5 s fetch wait; the worker's consumer starts its fetcher with ours."""
+    import asyncio
+
+    from state_store.config import DatabaseSettings
+    from state_store.materializer import MaterializerSettings, build_app
+
+    monkeypatch.setenv("KVFLOW_DATABASE_URL", migrated_database_url)
+    app = build_app(kafka_settings, DatabaseSettings(),
+                    MaterializerSettings(web_port=0, fetch_max_wait_ms=77, group_id=f"fetch-{time.time_ns()}"))
+
+    thread = app.consumer._thread  # not started: only its consumer is made and started here
+
+    async def started_fetcher_wait() -> int:
+        consumer = thread._create_worker_consumer(app.transport)
+        await consumer.start()
+        try:
+            return int(consumer._fetcher._fetch_max_wait_ms)
+        finally:
+            await consumer.stop()
+
+    try:
+        assert asyncio.run(started_fetcher_wait()) == 77
+    finally:
+        thread.thread_loop.close()
