@@ -101,14 +101,17 @@ class Counts:
 @dataclass(frozen=True, slots=True)
 class NativeWrites:
     """The writes of a take planned by the compiled hot path (:mod:`state_store.native`), in
-    PostgreSQL's binary COPY form: ``block_events`` rows (``HISTORY_COLUMNS``), ``node_blocks``
-    rows to upsert (all columns, ``BlockRow`` order) and keys to delete (node_id, block_hash)."""
+    PostgreSQL's binary COPY form: ``block_events`` rows (``HISTORY_COLUMNS``); ``node_blocks``
+    rows to insert (blocks the worker's cache did not hold) and to update (blocks it held), all
+    columns in ``BlockRow`` order; keys to delete (node_id, block_hash: blocks it held)."""
 
     history: bytes
-    upserts: bytes
+    inserts: bytes
+    updates: bytes
     deletes: bytes
     history_rows: int
-    upsert_rows: int
+    insert_rows: int
+    update_rows: int
     delete_rows: int
 
 
@@ -430,7 +433,9 @@ class Planner:
             for h, br in view.changed.items():
                 key = (node, h)
                 if br is None:
-                    if not view.reset:
+                    # Only what SQL holds (after a reset: nothing); a block stored and removed
+                    # within the run was never written.
+                    if not view.reset and view.known.get(key) is not None:
                         out.deletes.add(key)
                 else:
                     out.upserts[key] = br

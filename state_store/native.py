@@ -130,9 +130,9 @@ class FastPlanner:
         self.store.abort()
 
     def finish(self) -> Plan:
-        history, upserts, deletes, nh, nu, nd = self.store.finish()
         out = self.out
-        out.native = NativeWrites(history, upserts, deletes, nh, nu, nd)
+        out.native = NativeWrites(*self.store.finish())
+        nh = out.native.history_rows
         out.nodes = self.rows
         out.counts.block_events = nh
         return out

@@ -71,24 +71,23 @@ WHERE nb.node_id = d.node_id AND nb.block_hash = d.block_hash
 """
 BLOCK_COLUMNS = ("node_id", "block_hash", "parent_hash", "cache_level", "priority", "num_tokens", "lora_id",
                  "window_size", "stored_at", "updated_at")
-_ON_CONFLICT = """
+UPSERT_BLOCKS = f"""
+INSERT INTO node_blocks ({", ".join(BLOCK_COLUMNS)})
+SELECT * FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::smallint[], $5::smallint[], $6::integer[],
+                     $7::bigint[], $8::integer[], $9::timestamptz[], $10::timestamptz[])
 ON CONFLICT (node_id, block_hash) DO UPDATE SET
   parent_hash = EXCLUDED.parent_hash, cache_level = EXCLUDED.cache_level, priority = EXCLUDED.priority,
   num_tokens = EXCLUDED.num_tokens, lora_id = EXCLUDED.lora_id, window_size = EXCLUDED.window_size,
   stored_at = EXCLUDED.stored_at, updated_at = EXCLUDED.updated_at
 """
-UPSERT_BLOCKS = f"""
-INSERT INTO node_blocks ({", ".join(BLOCK_COLUMNS)})
-SELECT * FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::smallint[], $5::smallint[], $6::integer[],
-                     $7::bigint[], $8::integer[], $9::timestamptz[], $10::timestamptz[])
-{_ON_CONFLICT}"""
-# The compiled hot path's node_blocks changes arrive as COPY data into per-connection staging tables
-# (emptied at every commit), then one statement each applies them. (Made with each connection, once
-# the schema is there; a connection without them fails its hot-path write, which is replanned.)
+# The compiled hot path's node_blocks changes arrive as COPY data: new rows straight into
+# node_blocks, changed rows and deleted keys into per-connection staging tables (emptied at every
+# commit) that one statement each applies. (Made with each connection, once the schema is there; a
+# connection without them fails its hot-path write, which is replanned.)
 CREATE_STAGING = """
 DO $$ BEGIN
   IF to_regclass('node_blocks') IS NOT NULL THEN
-    CREATE TEMP TABLE IF NOT EXISTS kvflow_stage_upserts (LIKE node_blocks) ON COMMIT DELETE ROWS;
+    CREATE TEMP TABLE IF NOT EXISTS kvflow_stage_updates (LIKE node_blocks) ON COMMIT DELETE ROWS;
     CREATE TEMP TABLE IF NOT EXISTS kvflow_stage_deletes (node_id text NOT NULL, block_hash bigint NOT NULL)
       ON COMMIT DELETE ROWS;
   END IF;
@@ -97,9 +96,12 @@ END $$
 DELETE_STAGED = """
 DELETE FROM node_blocks nb USING kvflow_stage_deletes d WHERE nb.node_id = d.node_id AND nb.block_hash = d.block_hash
 """
-UPSERT_STAGED = f"""
-INSERT INTO node_blocks ({", ".join(BLOCK_COLUMNS)}) SELECT {", ".join(BLOCK_COLUMNS)} FROM kvflow_stage_upserts
-{_ON_CONFLICT}"""
+UPDATE_STAGED = """
+UPDATE node_blocks nb SET
+  parent_hash = s.parent_hash, cache_level = s.cache_level, priority = s.priority, num_tokens = s.num_tokens,
+  lora_id = s.lora_id, window_size = s.window_size, stored_at = s.stored_at, updated_at = s.updated_at
+FROM kvflow_stage_updates s WHERE nb.node_id = s.node_id AND nb.block_hash = s.block_hash
+"""
 UPDATE_NODES = """
 UPDATE nodes n SET
   instance_id = u.instance_id, last_event_id = u.last_event_id,
@@ -250,7 +252,7 @@ async def write(conn: asyncpg.Connection, p: Plan) -> None:
         await _write_native(conn, p.native)
     if p.deletes:
         dn, dh = zip(*p.deletes, strict=True)
-        await conn.execute(DELETE_BLOCKS, list(dn), list(dh))
+        _expect(await conn.execute(DELETE_BLOCKS, list(dn), list(dh)), len(dn))
     if p.upserts:
         # BlockRow's fields are UPSERT_BLOCKS's parameters, in order: columns by one zip (in C).
         await conn.execute(UPSERT_BLOCKS, *map(list, zip(*p.upserts.values(), strict=True)))
@@ -260,14 +262,29 @@ async def write(conn: asyncpg.Connection, p: Plan) -> None:
 
 
 async def _write_native(conn: asyncpg.Connection, n: NativeWrites) -> None:
+    """The hot path's writes. Its deletes and updates are of rows the worker's cache holds, its
+    inserts of rows it does not: each statement must touch exactly its rows, or the database is
+    not where the cache said (StaleCache: the take is replanned from the database)."""
     if n.delete_rows:
         await _copy(conn, "kvflow_stage_deletes", n.deletes, ("node_id", "block_hash"))
-        await conn.execute(DELETE_STAGED)
-    if n.upsert_rows:
-        await _copy(conn, "kvflow_stage_upserts", n.upserts, BLOCK_COLUMNS)
-        await conn.execute(UPSERT_STAGED)
+        _expect(await conn.execute(DELETE_STAGED), n.delete_rows)
+    if n.update_rows:
+        await _copy(conn, "kvflow_stage_updates", n.updates, BLOCK_COLUMNS)
+        _expect(await conn.execute(UPDATE_STAGED), n.update_rows)
+    if n.insert_rows:
+        try:
+            await _copy(conn, "node_blocks", n.inserts, BLOCK_COLUMNS)
+        except asyncpg.UniqueViolationError as exc:
+            raise StaleCache(f"a block the cache did not hold is in node_blocks: {exc}") from exc
     if n.history_rows:
         await _copy(conn, "block_events", n.history, HISTORY_COLUMNS)
+
+
+def _expect(status: str, rows: int) -> None:
+    """``status``: a command tag such as ``DELETE 12``."""
+    done = int(status.rsplit(" ", 1)[1])
+    if done != rows:
+        raise StaleCache(f"{status}: {rows} rows expected")
 
 
 async def _copy(conn: asyncpg.Connection, table: str, data: bytes, columns: Sequence[str]) -> None:

@@ -81,9 +81,13 @@ def _produce(k: KafkaSettings, batches: list[EventBatch]) -> None:
 
 
 def _ready_producer(k: KafkaSettings) -> Producer:
-    """A producer that already has the topic's metadata: librdkafka fetches it on the first
-    ``produce`` otherwise, and holds that message ~0.5 s (not the pipeline's time)."""
+    """A producer that has delivered a message already. librdkafka connects and gets its
+    idempotent producer id on the first ``produce``, holding that message ~0.5 s meanwhile (not
+    the pipeline's time; ``list_topics`` alone does not wait for it). The warm-up message goes to
+    the run's own DLQ topic, which the worker only ever writes to."""
     producer = make_producer(k)
+    producer.produce(k.dlq_topic, key=b"kvflow-bench-warmup", value=b"")
+    assert producer.flush(30) == 0
     producer.list_topics(k.events_topic, timeout=30)
     return producer
 

@@ -338,13 +338,18 @@ impl BlockStore {
     }
 
     /// Finish the take: returns the COPY data of its `block_events` rows, of the `node_blocks`
-    /// rows it upserts (all ten columns) and of the keys it deletes (node_id, block_hash), and
-    /// the three row counts; the store now holds the take's result.
+    /// rows it inserts (blocks the store did not hold before the take) and updates (blocks it
+    /// held and changed; both with all ten columns), of the keys it deletes (node_id, block_hash:
+    /// blocks it held and removed; a block stored and removed within the take is in none), and
+    /// the four row counts; the store now holds the take's result.
     #[allow(clippy::type_complexity)]
-    fn finish<'py>(&mut self, py: Python<'py>)
-        -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>, Bound<'py, PyBytes>, usize, usize, usize)> {
+    fn finish<'py>(&mut self, py: Python<'py>) -> PyResult<(
+        Bound<'py, PyBytes>, Bound<'py, PyBytes>, Bound<'py, PyBytes>, Bound<'py, PyBytes>,
+        usize, usize, usize, usize,
+    )> {
         let planning = self.planning.take().ok_or_else(|| PyRuntimeError::new_err("finish() before begin()"))?;
-        let mut upserts = Copy::new();
+        let mut inserts = Copy::new();
+        let mut updates = Copy::new();
         let mut deletes = Copy::new();
         for (node, changed) in planning.overlay {
             let nb = node.as_bytes();
@@ -352,33 +357,35 @@ impl BlockStore {
             for (h, v) in changed {
                 match v {
                     Some(b) => {
-                        upserts.row(10);
-                        upserts.text(nb);
-                        upserts.i64(h);
-                        upserts.opt_i64(b.parent);
-                        upserts.i16(b.level);
-                        upserts.i16(b.prio);
-                        upserts.i32(b.ntok);
-                        upserts.opt_i64(b.lora);
-                        upserts.opt_i32(b.window.map(|w| w as i32)); // add() keeps them in range
-                        upserts.i64(b.stored_at);
-                        upserts.i64(b.updated_at);
-                        blocks.insert(h, b);
+                        let out = if blocks.insert(h, b).is_some() { &mut updates } else { &mut inserts };
+                        out.row(10);
+                        out.text(nb);
+                        out.i64(h);
+                        out.opt_i64(b.parent);
+                        out.i16(b.level);
+                        out.i16(b.prio);
+                        out.i32(b.ntok);
+                        out.opt_i64(b.lora);
+                        out.opt_i32(b.window.map(|w| w as i32)); // add() keeps them in range
+                        out.i64(b.stored_at);
+                        out.i64(b.updated_at);
                     }
                     None => {
-                        deletes.row(2);
-                        deletes.text(nb);
-                        deletes.i64(h);
-                        blocks.remove(&h);
+                        if blocks.remove(&h).is_some() {
+                            deletes.row(2);
+                            deletes.text(nb);
+                            deletes.i64(h);
+                        }
                     }
                 }
             }
         }
         let (history, n_history) = planning.history.finish();
-        let (upserts, n_upserts) = upserts.finish();
+        let (inserts, n_inserts) = inserts.finish();
+        let (updates, n_updates) = updates.finish();
         let (deletes, n_deletes) = deletes.finish();
-        Ok((PyBytes::new(py, &history), PyBytes::new(py, &upserts), PyBytes::new(py, &deletes), n_history,
-            n_upserts, n_deletes))
+        Ok((PyBytes::new(py, &history), PyBytes::new(py, &inserts), PyBytes::new(py, &updates),
+            PyBytes::new(py, &deletes), n_history, n_inserts, n_updates, n_deletes))
     }
 }
 

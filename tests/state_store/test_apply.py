@@ -73,6 +73,17 @@ def test_removed_and_updated_take_old_values_from_sql():
     assert rem[13] == then  # stored_at: the residency of the removed block starts there
 
 
+def test_a_block_stored_and_removed_in_one_run_is_neither_written_nor_deleted():
+    node = NodeRow("n", "i1", 9, LIVE, ts(T0))
+    then = datetime(2026, 1, 1, tzinfo=UTC)
+    known = {("n", 7): BlockRow("n", 7, None, 0, 35, 4, None, 64, then, then)}
+    out = plan([batch("n", "i1", 10, stored(7, 8, 9), p.Removed(block_hashes=[9, 8, 7]), stored(None, 8))],
+               {"n": node}, known)
+    assert out.deletes == {("n", 7)}  # only what SQL holds
+    assert set(out.upserts) == {("n", 8)}  # stored again after its removal
+    assert [r[4] for r in out.history] == ["stored", "stored", "removed", "removed", "removed", "stored"]
+
+
 def test_a_snapshot_keeps_the_stored_time_of_blocks_it_reasserts():
     then = datetime(2026, 1, 1, tzinfo=UTC)
     node = NodeRow("n", "i1", 9, LIVE, ts(T0))

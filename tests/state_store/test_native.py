@@ -68,28 +68,43 @@ def parse_copy(data: bytes, types: tuple[str, ...]) -> list[tuple[Any, ...]]:
     return rows
 
 
-def rows_of(part: Plan) -> tuple[list[tuple[Any, ...]], dict[tuple[str, int], BlockRow], set[tuple[str, int]]]:
-    """A part's history rows, upserts and deletes, the hot path's parsed from its COPY data."""
+Keyed = dict[tuple[str, int], BlockRow]
+
+
+def rows_of(part: Plan) -> tuple[list[tuple[Any, ...]], Keyed, Keyed, Keyed, set[tuple[str, int]]]:
+    """A part's history rows, inserts, updates, upserts (either) and deletes; the hot path's
+    parsed from its COPY data (it always knows which rows are new: no upserts)."""
     n = part.native
     if n is None:
-        return part.history, part.upserts, part.deletes
+        return part.history, {}, {}, part.upserts, part.deletes
     assert not (part.history or part.upserts or part.deletes or part.resets)
     history = parse_copy(n.history, HISTORY_TYPES)
-    upserts = [BlockRow(*r) for r in parse_copy(n.upserts, BLOCK_TYPES)]
+    inserts = [BlockRow(*r) for r in parse_copy(n.inserts, BLOCK_TYPES)]
+    updates = [BlockRow(*r) for r in parse_copy(n.updates, BLOCK_TYPES)]
     deletes = parse_copy(n.deletes, ("text", "i8"))
-    assert (len(history), len(upserts), len(deletes)) == (n.history_rows, n.upsert_rows, n.delete_rows)
-    return history, {(r.node_id, r.block_hash): r for r in upserts}, set(deletes)
+    assert (len(history), len(inserts), len(updates), len(deletes)) == (
+        n.history_rows, n.insert_rows, n.update_rows, n.delete_rows)
+    return (history, {(r.node_id, r.block_hash): r for r in inserts},
+            {(r.node_id, r.block_hash): r for r in updates}, {}, set(deletes))
 
 
-def write(sql: dict[tuple[str, int], BlockRow], pl: Plan) -> list[tuple[Any, ...]]:
-    """What Writer.write does to node_blocks (a dict here), in its order; returns the history rows."""
+def write(sql: Keyed, pl: Plan) -> list[tuple[Any, ...]]:
+    """What Writer.write does to node_blocks (a dict here), in its order; returns the history rows.
+    A delete or update of a row that is not there, or an insert of one that is, fails (as the
+    writer makes them fail: the cache was wrong)."""
     history: list[tuple[Any, ...]] = []
     for part in [*pl.after, pl]:
         for key in [k for k in sql if k[0] in part.resets]:
             del sql[key]
-        rows, upserts, deletes = rows_of(part)
+        rows, inserts, updates, upserts, deletes = rows_of(part)
         for key in deletes:
-            sql.pop(key, None)
+            del sql[key]
+        for key, row in updates.items():
+            assert key in sql, key
+            sql[key] = row
+        for key, row in inserts.items():
+            assert key not in sql, key
+            sql[key] = row
         sql.update(upserts)
         history += rows
     return history
@@ -241,25 +256,28 @@ def test_takes_outside_the_hot_path_leave_the_cache_untouched(why, take):
 
 
 def test_a_plain_take_rows_and_the_store_after_it():
-    c = loaded(5)
+    c = loaded(5, 9)
     big = (1 << 64) - 1  # wire hashes are unsigned; SQL's are the same bits, signed
     take = [batch("n", "i", 10, stored(5, 7, big), p.Updated(block_hash=5, cache_level=p.LevelDiff(old=0, new=1)),
-                  p.Removed(block_hashes=[7]))]
+                  p.Removed(block_hashes=[7, 9]))]
     pl = plan_fast(c, take)
     assert pl is not None and pl.native is not None
     t, old = ts(T0), ts(T0 - 10)
-    history, upserts, deletes = rows_of(pl)
+    history, inserts, updates, upserts, deletes = rows_of(pl)
     assert history == [
         ("n", "i", 10, 0, "stored", 7, 5, None, 0, None, 35, 4, None, None, t),
         ("n", "i", 10, 1, "stored", -1, 7, None, 0, None, 35, 4, None, None, t),
         ("n", "i", 11, 0, "updated", 5, None, 0, 1, None, None, 4, None, old, t),
         ("n", "i", 12, 0, "removed", 7, 5, 0, None, 35, None, 4, None, t, t),
+        ("n", "i", 12, 1, "removed", 9, None, 0, None, 35, None, 4, None, old, t),
     ]
-    assert upserts == {("n", -1): BlockRow("n", -1, 7, 0, 35, 4, None, 64, t, t),
-                           ("n", 5): BlockRow("n", 5, None, 1, 35, 4, None, 64, old, t)}
-    assert deletes == {("n", 7)}
+    # 7 was stored and removed within the take: node_blocks never sees it.
+    assert inserts == {("n", -1): BlockRow("n", -1, 7, 0, 35, 4, None, 64, t, t)}
+    assert updates == {("n", 5): BlockRow("n", 5, None, 1, 35, 4, None, 64, old, t)}
+    assert deletes == {("n", 9)}
+    assert upserts == {}
     assert pl.nodes["n"].last_event_id == 12
-    assert pl.counts.block_events == 4 and pl.counts.events == 3 and pl.counts.batches == 1
+    assert pl.counts.block_events == 5 and pl.counts.events == 3 and pl.counts.batches == 1
     assert set(c.blocks_of("n")) == {5, -1}
     assert [h for h, _ in c.store.blocks("n")] == [-1, 5]
     assert isinstance(history[0][14], datetime) and pg_micros(t) == pg_micros(history[0][14])
