@@ -26,6 +26,8 @@ refused) and every refusal is a :class:`ProtocolError` with a short machine-read
 from __future__ import annotations
 
 import enum
+import operator
+from collections.abc import Callable
 from typing import Annotated, Any, Final, Literal, NewType
 
 import msgspec
@@ -282,15 +284,37 @@ def _decode(decoder: msgspec.json.Decoder[Any], raw: bytes | bytearray | memoryv
 def decode_batch(raw: bytes | bytearray | memoryview | str, max_bytes: int = MAX_BATCH_BYTES) -> EventBatch:
     """Decode and validate one ``kv-events`` message, including the chain rules of the schema."""
     batch: EventBatch = _decode(_batch_decoder, raw, max_bytes)
-    prev = -1
-    for i, ev in enumerate(batch.events):
-        if prev >= 0 and ev.event_id != prev + 1:
-            raise ProtocolError(
-                "invalid", f"event_id {ev.event_id} at $.events[{i}] does not follow {prev} (batches are contiguous)"
-            )
-        prev = ev.event_id
-        _check_hashes(ev.data, i)
+    events = batch.events
+    # The first event out of sequence, if any (then the events before it are checked first).
+    first, gap = events[0].event_id, len(events)
+    if list(map(_event_id, events)) != list(range(first, first + len(events))):
+        gap = next(i for i in range(1, len(events)) if events[i].event_id != events[i - 1].event_id + 1)
+    # The hash bound: in compiled code when kvflow_native is installed (~10x faster; it only
+    # finds the first suspect event, the rule and its message are _check_hashes's).
+    start = 0 if _first_beyond_u64 is None else _first_beyond_u64(events)
+    if start >= 0:
+        for i in range(start, gap):
+            _check_hashes(events[i].data, i)
+    if gap < len(events):
+        raise ProtocolError("invalid", f"event_id {events[gap].event_id} at $.events[{gap}] does not follow "
+                                       f"{events[gap - 1].event_id} (batches are contiguous)")
     return batch
+
+
+_event_id = operator.attrgetter("event_id")
+
+
+def _native_hash_check() -> Callable[[list[Event]], int] | None:
+    """``kvflow_native.HashCheck(...).first_beyond_u64`` (the materializer's optional compiled
+    extension, ``native/``), or None."""
+    try:
+        import kvflow_native
+    except ImportError:
+        return None
+    return kvflow_native.HashCheck(Stored, Removed, Updated, Snapshot).first_beyond_u64  # type: ignore[no-any-return]
+
+
+_first_beyond_u64 = _native_hash_check()
 
 
 def _check_hashes(d: EventData, i: int) -> None:

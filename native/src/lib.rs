@@ -389,8 +389,66 @@ impl BlockStore {
     }
 }
 
+/// The block-hash bound of the wire schema (0 .. 2**64-1), checked in compiled code: msgspec
+/// decodes JSON integers of any size and cannot bound them beyond int64
+/// (`eventbus.protocol.decode_batch` uses this when the extension is installed).
+#[pyclass(module = "kvflow_native", frozen)]
+struct HashCheck {
+    stored: Py<PyType>,
+    removed: Py<PyType>,
+    updated: Py<PyType>,
+    snapshot: Py<PyType>,
+}
+
+#[inline]
+fn beyond_u64(v: &Bound<'_, PyAny>) -> bool {
+    !v.is_none() && v.extract::<u64>().is_err()
+}
+
+#[pymethods]
+impl HashCheck {
+    /// `stored`, `removed`, `updated`, `snapshot`: the event data classes of `eventbus.protocol`.
+    #[new]
+    fn new(stored: Py<PyType>, removed: Py<PyType>, updated: Py<PyType>, snapshot: Py<PyType>) -> Self {
+        HashCheck { stored, removed, updated, snapshot }
+    }
+
+    /// The index of the first event (of a decoded batch's `events`) with a block or parent hash
+    /// that is not a u64, or -1.
+    fn first_beyond_u64(&self, py: Python<'_>, events: &Bound<'_, PyList>) -> PyResult<isize> {
+        let (stored_t, removed_t, updated_t, snapshot_t) =
+            (self.stored.bind(py), self.removed.bind(py), self.updated.bind(py), self.snapshot.bind(py));
+        for (i, ev) in events.iter().enumerate() {
+            let d = ev.getattr(intern!(py, "data"))?;
+            let t = d.get_type();
+            let bad = if t.is(stored_t) {
+                beyond_u64(&d.getattr(intern!(py, "parent_hash"))?)
+                    || d.getattr(intern!(py, "blocks"))?.cast::<PyList>()?.iter().any(|b| {
+                        b.getattr(intern!(py, "block_hash")).map_or(true, |h| beyond_u64(&h))
+                    })
+            } else if t.is(removed_t) {
+                d.getattr(intern!(py, "block_hashes"))?.cast::<PyList>()?.iter().any(|h| beyond_u64(&h))
+            } else if t.is(updated_t) {
+                beyond_u64(&d.getattr(intern!(py, "block_hash"))?)
+            } else if t.is(snapshot_t) {
+                d.getattr(intern!(py, "blocks"))?.cast::<PyList>()?.iter().any(|b| {
+                    b.getattr(intern!(py, "block_hash")).map_or(true, |h| beyond_u64(&h))
+                        || b.getattr(intern!(py, "parent_hash")).map_or(true, |h| beyond_u64(&h))
+                })
+            } else {
+                false
+            };
+            if bad {
+                return Ok(i as isize);
+            }
+        }
+        Ok(-1)
+    }
+}
+
 #[pymodule]
 fn kvflow_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<BlockStore>()?;
+    m.add_class::<HashCheck>()?;
     Ok(())
 }

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import random
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,21 @@ import pytest
 from eventbus import protocol as p
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "schema"
+NATIVE_CHECK = p._native_hash_check()
+
+
+@pytest.fixture(params=["python", "native"])
+def hash_check(request, monkeypatch):
+    """decode_batch with the block-hash bound checked in Python, then by kvflow_native."""
+    if request.param == "native":
+        if NATIVE_CHECK is None:
+            if os.environ.get("KVFLOW_REQUIRE_NATIVE") == "1":
+                pytest.fail("kvflow_native is not installed (make install builds it)", pytrace=False)
+            pytest.skip("kvflow_native is not installed")
+        monkeypatch.setattr(p, "_first_beyond_u64", NATIVE_CHECK)
+    else:
+        monkeypatch.setattr(p, "_first_beyond_u64", None)
+    return request.param
 
 EXAMPLE = {  # DESIGN.md's example, verbatim in shape
     "schema_version": 1, "node_id": "node-a", "instance_id": "6f1c0a", "ts": 1764412345.123,
@@ -64,11 +81,56 @@ def _mutated(path: list, value) -> bytes:
     (_mutated(["events"], []), "invalid", "Expected `array` of length >= 1"),
     (_mutated(["node_id"], "bad id with spaces"), "invalid", "Expected `str` matching regex"),
 ])
-def test_bad_messages_are_refused_with_a_reason(raw, reason, fragment):
+def test_bad_messages_are_refused_with_a_reason(raw, reason, fragment, hash_check):
     with pytest.raises(p.ProtocolError) as info:
         p.decode_batch(raw)
     assert info.value.reason == reason
     assert fragment in info.value.message
+
+
+def test_the_hash_bound_and_the_sequence_are_checked_alike_in_python_and_compiled(monkeypatch):
+    """Random batches with hashes around 2**64 anywhere (parents, blocks, removed, updated,
+    snapshots) and the odd gap: both checks refuse the same ones, with the same message."""
+    if NATIVE_CHECK is None:
+        pytest.skip("kvflow_native is not installed")
+    rng = random.Random(7)
+
+    def h() -> int | None:
+        return rng.choice([0, 1, (1 << 64) - 1, 1 << 64, (1 << 64) + 5, 1 << 70, rng.randrange(1 << 64)])
+
+    def event(i: int) -> dict:
+        kind = rng.choice(["stored", "removed", "updated", "snapshot", "created"])
+        if kind == "stored":
+            data = {"type": kind, "parent_hash": rng.choice([None, h()]),
+                    "blocks": [{"block_hash": h(), "num_tokens": 4} for _ in range(rng.randint(1, 4))]}
+        elif kind == "removed":
+            data = {"type": kind, "block_hashes": [h() for _ in range(rng.randint(1, 4))]}
+        elif kind == "updated":
+            data = {"type": kind, "block_hash": h()}
+        elif kind == "snapshot":
+            data = {"type": kind, "blocks": [{"block_hash": h(), "parent_hash": rng.choice([None, h()]),
+                                              "num_tokens": 4} for _ in range(rng.randint(0, 3))]}
+        else:
+            data = {"type": kind, "num_blocks_per_cache_level": [8]}
+        return {"event_id": i + (rng.random() < 0.05), "window_size": 64, "data": data}
+
+    outcomes = {"ok": 0, "hash": 0, "sequence": 0}
+    for _ in range(3000):
+        doc = {"schema_version": 1, "node_id": "n", "instance_id": "i", "ts": 1.0,
+               "events": [event(i) for i in range(rng.randint(1, 6))]}
+        raw = json.dumps(doc).encode()
+        results = []
+        for check in (None, NATIVE_CHECK):
+            monkeypatch.setattr(p, "_first_beyond_u64", check)
+            try:
+                results.append(p.decode_batch(raw))
+            except p.ProtocolError as exc:
+                results.append((exc.reason, exc.message))
+        assert results[0] == results[1]
+        kind = "ok" if isinstance(results[0], p.EventBatch) else (
+            "sequence" if "does not follow" in results[0][1] else "hash")
+        outcomes[kind] += 1
+    assert min(outcomes.values()) > 50, outcomes
 
 
 def test_oversized_messages_are_refused_before_parsing():
