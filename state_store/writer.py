@@ -93,15 +93,6 @@ DO $$ BEGIN
   END IF;
 END $$
 """
-DELETE_STAGED = """
-DELETE FROM node_blocks nb USING kvflow_stage_deletes d WHERE nb.node_id = d.node_id AND nb.block_hash = d.block_hash
-"""
-UPDATE_STAGED = """
-UPDATE node_blocks nb SET
-  parent_hash = s.parent_hash, cache_level = s.cache_level, priority = s.priority, num_tokens = s.num_tokens,
-  lora_id = s.lora_id, window_size = s.window_size, stored_at = s.stored_at, updated_at = s.updated_at
-FROM kvflow_stage_updates s WHERE nb.node_id = s.node_id AND nb.block_hash = s.block_hash
-"""
 UPDATE_NODES = """
 UPDATE nodes n SET
   instance_id = u.instance_id, last_event_id = u.last_event_id,
@@ -112,6 +103,24 @@ FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[], $5::timestamptz[],
             $7::integer[], $8::integer[])
      AS u(node_id, instance_id, last_event_id, status, instance_started_at, window_size, capacity_gpu, capacity_host)
 WHERE n.node_id = u.node_id
+"""
+# The hot path's staged deletes and updates and its node rows, in one statement (one round trip):
+# how many rows each touched, for the caller to check.
+APPLY_STAGED = f"""
+WITH deleted AS (
+  DELETE FROM node_blocks nb USING kvflow_stage_deletes s
+  WHERE nb.node_id = s.node_id AND nb.block_hash = s.block_hash
+  RETURNING 1
+), updated AS (
+  UPDATE node_blocks nb SET
+    parent_hash = s.parent_hash, cache_level = s.cache_level, priority = s.priority, num_tokens = s.num_tokens,
+    lora_id = s.lora_id, window_size = s.window_size, stored_at = s.stored_at, updated_at = s.updated_at
+  FROM kvflow_stage_updates s WHERE nb.node_id = s.node_id AND nb.block_hash = s.block_hash
+  RETURNING 1
+), node_rows AS ({UPDATE_NODES.strip()}
+  RETURNING 1
+)
+SELECT (SELECT count(*) FROM deleted), (SELECT count(*) FROM updated), (SELECT count(*) FROM node_rows)
 """
 # Ask a node for a snapshot at most once per cooldown: returns the nodes to ask now.
 MARK_RESYNC = """
@@ -222,11 +231,15 @@ class Writer:
         pool = await self.pool()
         async with pool.acquire() as conn, conn.transaction():
             node_ids = sorted(expected)
-            await conn.execute(LOCK_NODES, node_ids)
-            for r in await conn.fetch(SELECT_NODES, node_ids):
+            if None in expected.values():  # a row to lock for a node the cache says has none
+                await conn.execute(LOCK_NODES, node_ids)
+            rows = await conn.fetch(SELECT_NODES, node_ids)
+            for r in rows:
                 have = None if r["instance_id"] == "" else (r["instance_id"], r["last_event_id"])
                 if have != expected[r["node_id"]]:
                     raise StaleCache(f"{r['node_id']}: database at {have}, cache at {expected[r['node_id']]}")
+            if len(rows) != len(node_ids):
+                raise StaleCache(f"node rows missing: {sorted(set(node_ids) - {r['node_id'] for r in rows})}")
             return await self._write(conn, p)
 
     async def _write(self, conn: asyncpg.Connection, p: Plan) -> Applied:
@@ -246,10 +259,11 @@ class Writer:
 async def write(conn: asyncpg.Connection, p: Plan) -> None:
     for part in p.after:
         await write(conn, part)
+    if p.native is not None:  # nothing else: FastPlanner.finish
+        await _write_native(conn, p.native, p.nodes)
+        return
     if p.resets:
         await conn.execute(RESET_BLOCKS, sorted(p.resets))
-    if p.native is not None:
-        await _write_native(conn, p.native)
     if p.deletes:
         dn, dh = zip(*p.deletes, strict=True)
         _expect(await conn.execute(DELETE_BLOCKS, list(dn), list(dh)), len(dn))
@@ -261,16 +275,14 @@ async def write(conn: asyncpg.Connection, p: Plan) -> None:
     await _write_nodes(conn, p)
 
 
-async def _write_native(conn: asyncpg.Connection, n: NativeWrites) -> None:
+async def _write_native(conn: asyncpg.Connection, n: NativeWrites, nodes: dict[str, NodeRow]) -> None:
     """The hot path's writes. Its deletes and updates are of rows the worker's cache holds, its
-    inserts of rows it does not: each statement must touch exactly its rows, or the database is
-    not where the cache said (StaleCache: the take is replanned from the database)."""
+    inserts of rows it does not: each must touch exactly its rows, or the database is not where
+    the cache said (StaleCache: the take is replanned from the database)."""
     if n.delete_rows:
         await _copy(conn, "kvflow_stage_deletes", n.deletes, ("node_id", "block_hash"))
-        _expect(await conn.execute(DELETE_STAGED), n.delete_rows)
     if n.update_rows:
         await _copy(conn, "kvflow_stage_updates", n.updates, BLOCK_COLUMNS)
-        _expect(await conn.execute(UPDATE_STAGED), n.update_rows)
     if n.insert_rows:
         try:
             await _copy(conn, "node_blocks", n.inserts, BLOCK_COLUMNS)
@@ -278,6 +290,9 @@ async def _write_native(conn: asyncpg.Connection, n: NativeWrites) -> None:
             raise StaleCache(f"a block the cache did not hold is in node_blocks: {exc}") from exc
     if n.history_rows:
         await _copy(conn, "block_events", n.history, HISTORY_COLUMNS)
+    done = tuple(await conn.fetchrow(APPLY_STAGED, *_node_columns(nodes)))
+    if done != (n.delete_rows, n.update_rows, len(nodes)):
+        raise StaleCache(f"deleted, updated, node rows: {done}, planned {(n.delete_rows, n.update_rows, len(nodes))}")
 
 
 def _expect(status: str, rows: int) -> None:
@@ -302,11 +317,15 @@ _COPY_CHUNK = 1 << 20
 
 async def _write_nodes(conn: asyncpg.Connection, p: Plan) -> None:
     if p.nodes:
-        rows = list(p.nodes.values())
-        await conn.execute(UPDATE_NODES, [r.node_id for r in rows], [r.instance_id for r in rows],
-                           [r.last_event_id for r in rows], [r.status for r in rows],
-                           [r.instance_started_at for r in rows], [r.window_size for r in rows],
-                           [r.capacity_gpu for r in rows], [r.capacity_host for r in rows])
+        await conn.execute(UPDATE_NODES, *_node_columns(p.nodes))
+
+
+def _node_columns(nodes: dict[str, NodeRow]) -> list[list[Any]]:
+    """UPDATE_NODES's parameters."""
+    rows = list(nodes.values())
+    return [[r.node_id for r in rows], [r.instance_id for r in rows], [r.last_event_id for r in rows],
+            [r.status for r in rows], [r.instance_started_at for r in rows], [r.window_size for r in rows],
+            [r.capacity_gpu for r in rows], [r.capacity_host for r in rows]]
 
 
 async def with_retry(fn: Callable[[], Awaitable[T]], *, on_retry: Callable[[BaseException, float], Any],

@@ -81,6 +81,14 @@ async def scenario(url: str) -> None:
                 await write(take)
             assert await sql_state(plain) == before
             assert await plain.fetchval("SELECT count(*) FROM block_events") == history
+
+        # The node's row itself gone (the cache still has it): refused too.
+        await plain.execute("DELETE FROM nodes WHERE node_id = 'n'")
+        cache.clear()
+        cache.load(nodes, blocks, ["n"])
+        with pytest.raises(StaleCache, match="node rows missing"):
+            await write(batch(7, stored(4, 10)))
+        assert await plain.fetchval("SELECT count(*) FROM block_events") == history
     finally:
         await plain.close()
         await writer.close()
