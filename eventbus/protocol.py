@@ -285,7 +285,7 @@ def decode_batch(raw: bytes | bytearray | memoryview | str, max_bytes: int = MAX
     """Decode and validate one ``kv-events`` message, including the chain rules of the schema."""
     batch: EventBatch = _decode(_batch_decoder, raw, max_bytes)
     events = batch.events
-    # The first event out of sequence, if any (then the events before it are checked first).
+    # The first event out of sequence, if any: a bad hash before it is reported first.
     first, gap = events[0].event_id, len(events)
     if list(map(_event_id, events)) != list(range(first, first + len(events))):
         gap = next(i for i in range(1, len(events)) if events[i].event_id != events[i - 1].event_id + 1)

@@ -672,7 +672,7 @@ GC_THRESHOLDS = (50_000, 20, 10)
 def tune_gc() -> None:
     """Fewer, cheaper collections. By default each full collection walked every object of the
     process (faust, aiokafka, …) and took 100-150 ms, stalling the event loop (and the COPY it
-    feeds); ``kvflow bench pipeline`` measured 0.24-0.45 s of collection per round, 0.05-0.14 s
+    feeds); ``kvflow bench pipeline`` measured 0.24-0.45 s of collection per round, 0.04-0.06 s
     after this. The objects made at start-up are frozen (never collected: they live as long as
     the process), and young collections run far less often."""
     gc.collect()

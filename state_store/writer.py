@@ -1,7 +1,8 @@
 """Applying a :class:`~state_store.apply.Plan` to PostgreSQL, in one transaction, with asyncpg.
 
 Batched statements only: ``COPY`` for the history, array (``unnest``) statements for
-``node_blocks`` and ``nodes``. The node rows are locked (``SELECT … FOR UPDATE``) before the plan is
+``node_blocks`` and ``nodes``; the compiled hot path's ``node_blocks`` rows come as ``COPY`` data
+too (:func:`_write_native`). The node rows are locked (``SELECT … FOR UPDATE``) before the plan is
 made, so two materializer workers that briefly both own a partition (during a rebalance) apply a
 node's batches one after the other, and the second sees the first one's ``last_event_id``.
 """

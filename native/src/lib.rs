@@ -276,10 +276,7 @@ impl BlockStore {
             let d = ev.getattr(intern!(py, "data"))?;
             let t = d.get_type();
             if t.is(stored_t) {
-                let mut parent: Option<i64> = match opt_u64(d.getattr(intern!(py, "parent_hash"))?)? {
-                    Some(p) => Some(p as i64),
-                    None => None,
-                };
+                let mut parent: Option<i64> = opt_u64(d.getattr(intern!(py, "parent_hash"))?)?.map(|p| p as i64);
                 let blocks = d.getattr(intern!(py, "blocks"))?;
                 for (seq, b) in blocks.cast::<PyList>()?.iter().enumerate() {
                     let h = sql_hash(&b.getattr(intern!(py, "block_hash"))?)?;
