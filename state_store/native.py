@@ -132,9 +132,8 @@ class FastPlanner:
     def finish(self) -> Plan:
         out = self.out
         out.native = NativeWrites(*self.store.finish())
-        nh = out.native.history_rows
         out.nodes = self.rows
-        out.counts.block_events = nh
+        out.counts.block_events = out.native.history_rows
         return out
 
 
