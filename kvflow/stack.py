@@ -187,6 +187,18 @@ def run(cmd: Sequence[str], *, log: Path | None = None, timeout: float = 600,
 # Apache Kafka
 
 
+def new_cluster_id(random_uuid: Callable[[], uuid.UUID] | None = None) -> str:
+    """A KRaft cluster id: 16 random bytes in URL-safe base64 without padding.
+
+    As Kafka's own ``Uuid.randomUuid()``, draw again while the text starts with ``-``: one id
+    in 64 does, and ``kafka-storage format -t -…`` reads it as an option and refuses to run.
+    """
+    while True:
+        cluster_id = base64.urlsafe_b64encode((random_uuid or uuid.uuid4)().bytes).decode().rstrip("=")
+        if not cluster_id.startswith("-"):
+            return cluster_id
+
+
 class Kafka:
     """A single KRaft node (broker and controller in one JVM) run from Maven Central jars."""
 
@@ -271,8 +283,7 @@ class Kafka:
     def ensure_formatted(self) -> None:
         if (self.paths.kafka_data / "meta.properties").is_file():
             return
-        # A KRaft cluster id is 16 random bytes in URL-safe base64 without padding.
-        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        cluster_id = new_cluster_id()
         self.paths.kafka_data.mkdir(parents=True, exist_ok=True)
         run(
             self._java_cmd("kafka.tools.StorageTool", "format", "-t", cluster_id,

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import base64
 import shutil
 import socket
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from kvflow.stack import (
     StackError,
     StackSettings,
     find_pg_bindir,
+    new_cluster_id,
     pid_alive,
     port_open,
     project_dir,
@@ -51,6 +54,35 @@ def test_broker_config_is_the_checked_in_file_plus_this_stacks_listeners(tmp_pat
     lines = paths.kafka_conf.read_text().splitlines()
     keys = [ln.split("=", 1)[0] for ln in lines if "=" in ln and not ln.startswith("#")]
     assert len(keys) == len(set(keys))
+
+
+# 0xF8 in the first byte is base64 "-"; Kafka's own Uuid.randomUuid() never makes such an id.
+_DASH_UUID = uuid.UUID(bytes=b"\xf8" + bytes(15))
+
+
+def test_cluster_id_never_starts_with_a_dash():
+    draws = iter([_DASH_UUID, uuid.UUID(int=1)])
+    assert base64.urlsafe_b64encode(_DASH_UUID.bytes).startswith(b"-")
+    assert new_cluster_id(lambda: next(draws)) == "AAAAAAAAAAAAAAAAAAAAAQ"
+    ids = [new_cluster_id() for _ in range(1000)]
+    assert {len(i) for i in ids} == {22} and not [i for i in ids if i.startswith("-")]
+
+
+@pytest.mark.integration
+def test_storage_is_formatted_even_when_the_first_id_drawn_starts_with_a_dash(tmp_path, monkeypatch, kafka_bootstrap):
+    """Real `kafka-storage format` reads `-t -…` as an option: CI failed once in 64 stack starts."""
+    settings = StackSettings(home=tmp_path, kafka_port=_free_port(), kafka_controller_port=_free_port())
+    paths = Paths(project=project_dir(), home=tmp_path)
+    paths.kafka.mkdir(parents=True)
+    paths.kafka_libs.symlink_to(Stack(StackSettings()).paths.kafka_libs)  # the running stack's jars
+    kafka = Kafka(paths, settings)
+    kafka.write_config()
+    draws = iter([_DASH_UUID, uuid.UUID(int=1)])
+    monkeypatch.setattr("kvflow.stack.uuid.uuid4", lambda: next(draws))
+    kafka.ensure_formatted()
+    meta = dict(line.split("=", 1) for line in (paths.kafka_data / "meta.properties").read_text().splitlines()
+                if "=" in line and not line.startswith("#"))
+    assert meta["cluster.id"] == "AAAAAAAAAAAAAAAAAAAAAQ"
 
 
 def test_missing_java_is_one_line_with_what_to_install(tmp_path, monkeypatch):

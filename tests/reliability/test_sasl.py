@@ -5,7 +5,6 @@ refused. The TLS certificates come from deploy/kafka/make-tls.sh, the script the
 
 from __future__ import annotations
 
-import base64
 import shutil
 import subprocess
 import uuid
@@ -16,7 +15,7 @@ from pydantic import SecretStr
 
 from eventbus.config import KafkaSecurityProtocol, KafkaSettings
 from eventbus.kafka import ensure_topics
-from kvflow.stack import project_dir, run
+from kvflow.stack import new_cluster_id, project_dir, run
 from kvflow.tail import tail
 from tests.reliability.test_faults import PrivateKafka
 from tests.support import CoreNode, applied_through, history_duplicates, materializer, sql_blocks, wait_for
@@ -57,7 +56,7 @@ class ScramKafka(PrivateKafka):
         if (self.paths.kafka_data / "meta.properties").is_file():
             return
         self.paths.kafka_data.mkdir(parents=True, exist_ok=True)
-        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        cluster_id = new_cluster_id()
         run(self._java_cmd("kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(self.paths.kafka_conf),
                            "--add-scram", "SCRAM-SHA-512=[name=admin,password=admin-pw]",
                            "--add-scram", f"SCRAM-SHA-512=[name={USER},password={PASSWORD}]"),
