@@ -70,7 +70,7 @@ def test_cluster_id_never_starts_with_a_dash():
 
 @pytest.mark.integration
 def test_storage_is_formatted_even_when_the_first_id_drawn_starts_with_a_dash(tmp_path, monkeypatch, kafka_bootstrap):
-    """Real `kafka-storage format` reads `-t -…` as an option: CI failed once in 64 stack starts."""
+    """Real `kafka-storage format` reads `-t -…` as an option; one random id in 64 starts with `-`."""
     settings = StackSettings(home=tmp_path, kafka_port=_free_port(), kafka_controller_port=_free_port())
     paths = Paths(project=project_dir(), home=tmp_path)
     paths.kafka.mkdir(parents=True)
