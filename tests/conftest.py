@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import pytest
 
 from eventbus.config import KafkaSettings
+from kvflow.bench.scratch import drop_database, with_database
 from state_store.config import DatabaseSettings
-from state_store.scratch import drop_database, with_database
 
 REQUIRE_SERVICES = os.environ.get("KVFLOW_REQUIRE_SERVICES") == "1"
 

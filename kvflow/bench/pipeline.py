@@ -37,9 +37,9 @@ from inference_node.kv.manager import KvCacheConfig, KVCacheManager
 from inference_node.publisher import InMemorySink, Publisher
 from kvflow.bench.harness import BenchResult, Samples, percentile
 from kvflow.bench.kv import synthetic_stream
+from kvflow.bench.scratch import scratch_database
 from state_store.apply import plan
 from state_store.config import DatabaseSettings, plain_dsn
-from state_store.scratch import scratch_database
 
 PROJECT = Path(__file__).resolve().parents[2]
 

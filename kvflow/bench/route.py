@@ -34,10 +34,10 @@ from eventbus.hashing import prompt_block_hashes, prompt_hash_heads
 from eventbus.protocol import to_sql
 from kvflow.bench.harness import BenchResult, percentile
 from kvflow.bench.httpload import LoadResult, post_load
+from kvflow.bench.scratch import scratch_database
 from kvflow.stack import free_port
 from routing_api.queries import PREFIX_MATCHES
 from state_store.config import DatabaseSettings, plain_dsn
-from state_store.scratch import scratch_database
 
 PROJECT = Path(__file__).resolve().parents[2]
 

@@ -18,8 +18,8 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
+from kvflow.bench.scratch import drop_database, with_database
 from state_store.config import DatabaseSettings, plain_dsn
-from state_store.scratch import drop_database, with_database
 from tests.conftest import service_missing
 from tests.support import ServiceProcess, free_port, http_ok, wait_for
 
