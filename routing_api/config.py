@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from eventbus.protocol import DEFAULT_PRIORITY
+from routing_api.scoring import DEFAULT_WEIGHTS as W
 from routing_api.scoring import RoutingWeights
 
 SCOPES = frozenset({"route", "complete", "read"})
 
 
 class RouterSettings(BaseSettings):
+    """Every setting of the router, from ``KVFLOW_ROUTER_…`` (the weights' defaults: ``RoutingWeights``)."""
+
     model_config = SettingsConfigDict(env_prefix="KVFLOW_ROUTER_", extra="ignore")
 
     host: str = Field(default="127.0.0.1", description="Bind address.")
@@ -29,12 +35,15 @@ class RouterSettings(BaseSettings):
                                            validation_alias="KVFLOW_NODE_API_KEY")
     tokenizer_dir: str | None = Field(default=None, description="Folder with the nodes' tokenizer.json.")
     block_size: int | None = Field(default=None, ge=1, description="Override the block size nodes report.")
-    overlap_weight: float = Field(default=1.0, ge=0, description="Weight of blocks still to prefill.")
-    host_credit: float = Field(default=0.75, ge=0, le=1, description="Credit of a host-tier block.")
-    low_priority_credit: float = Field(default=0.9, ge=0, le=1, description="Credit factor below priority 35.")
-    queued_weight_blocks: float = Field(default=8.0, ge=0, description="Blocks of load per queued request.")
-    busy_fraction: float = Field(default=0.95, gt=0, description="Load share of GPU blocks that filters a node out.")
-    temperature: float = Field(default=0.0, ge=0, description="Softmax sampling temperature (0: argmin).")
+    overlap_weight: float = Field(default=W.overlap_weight, ge=0, description="Weight of blocks still to prefill.")
+    host_credit: float = Field(default=W.host_credit, ge=0, le=1, description="Credit of a host-tier block.")
+    low_priority_credit: float = Field(default=W.low_priority_credit, ge=0, le=1,
+                                       description=f"Credit factor below priority {DEFAULT_PRIORITY}.")
+    queued_weight_blocks: float = Field(default=W.queued_weight_blocks, ge=0,
+                                        description="Blocks of load per queued request.")
+    busy_fraction: float = Field(default=W.busy_fraction, gt=0,
+                                 description="Load share of GPU blocks that filters a node out.")
+    temperature: float = Field(default=W.temperature, ge=0, description="Softmax sampling temperature (0: argmin).")
     nodes_cache_s: float = Field(default=0.5, ge=0, description="How long the nodes table is cached.")
     suspect_s: float = Field(default=10.0, ge=0, description="How long a node that failed a request is avoided.")
     upstream_timeout_s: float = Field(default=300.0, gt=0, description="Timeout of a proxied request.")
@@ -42,14 +51,20 @@ class RouterSettings(BaseSettings):
     max_request_bytes: int = Field(default=4 * 1024 * 1024, description="Largest request body accepted.")
 
     def weights(self) -> RoutingWeights:
-        return RoutingWeights(overlap_weight=self.overlap_weight, host_credit=self.host_credit,
-                              low_priority_credit=self.low_priority_credit,
-                              queued_weight_blocks=self.queued_weight_blocks, busy_fraction=self.busy_fraction,
-                              temperature=self.temperature)
+        """The decision's weights, as set (each ``RoutingWeights`` field has a setting of its name)."""
+        return RoutingWeights(**{f.name: getattr(self, f.name) for f in dataclasses.fields(RoutingWeights)})
+
+    def api_key_spec(self) -> str:
+        """The API keys' spec: ``api_keys``, else the contents of ``api_keys_file``, else "" (open)."""
+        if self.api_keys:
+            return self.api_keys.get_secret_value()
+        return Path(self.api_keys_file).read_text().strip() if self.api_keys_file else ""
 
 
 @dataclass(frozen=True)
 class ApiKey:
+    """One API key: the tenant whose name salts its requests (if any) and the scopes it grants."""
+
     key: str
     tenant: str | None
     scopes: frozenset[str]

@@ -1,5 +1,6 @@
 """The router's reads, through the read-only role: the nodes (cached briefly) and, per decision,
-one indexed query for who holds which of the prompt's blocks."""
+one indexed query for who holds which of the prompt's blocks; for the pages, a node's cache by
+priority, the fleet's composition and hit rates. All of the router's SQL is here."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from typing import Any
 
 import asyncpg
 
-from routing_api.scoring import DEFAULT_PRIORITY, PrefixMatch
+from eventbus.protocol import DEFAULT_PRIORITY
+from routing_api.scoring import PrefixMatch
 from state_store.config import plain_dsn
 
 NODES = """
@@ -25,6 +27,18 @@ FROM nodes ORDER BY node_id
 # Its argument is the prompt's hashes packed 8 bytes each (eventbus.hashing.prompt_hash_heads).
 # routing_api.scoring.prefix_match is the same computation in Python (tests compare the two).
 PREFIX_MATCHES = "SELECT node_id, blocks, gpu, leaf_priority FROM kvflow_prefix_matches($1::bytea)"
+# One node's cache by tier and priority (GET /v1/nodes/{node_id}).
+CACHE_BY_PRIORITY = """
+SELECT cache_level, priority, blocks, tokens FROM node_cache_by_priority WHERE node_id = $1
+ORDER BY cache_level, priority DESC
+"""
+# Every node's cache by tier and priority (the dashboard's bars).
+COMPOSITION = "SELECT node_id, cache_level, priority, blocks FROM node_cache_by_priority"
+# Prompt-token hit rate per node and minute, the last 30 minutes, oldest first (the dashboard's chart).
+HIT_RATES = """
+SELECT node_id, extract(epoch FROM minute) AS t, hit_rate FROM node_hit_rates
+WHERE minute > now() - interval '30 minutes' ORDER BY minute
+"""
 
 
 def pack_sql_hashes(sql_hashes: Sequence[int]) -> bytes:
@@ -73,6 +87,9 @@ class HotConnections:
 
 
 class StateReader:
+    """The router's reads: the ``nodes`` table (cached ``nodes_cache_s``), each decision's prefix
+    query (on :class:`HotConnections`), and the pages' reads (on an asyncpg pool)."""
+
     def __init__(self, url: str, nodes_cache_s: float = 0.5, pool_size: int = 8,
                  statement_timeout_ms: int = 10_000) -> None:
         self.dsn = plain_dsn(url)
@@ -128,6 +145,32 @@ class StateReader:
         return {r[0]: PrefixMatch(gpu=r[2], host=r[1] - r[2], leaf_low=r[3] < DEFAULT_PRIORITY)
                 for r in await self._hot.fetch(PREFIX_MATCHES, hashes)}
 
-    async def fetch(self, sql: str, *args: Any) -> list[asyncpg.Record]:
+    async def cache_by_priority(self, node_id: str) -> list[dict[str, Any]]:
+        """One node's cached blocks and tokens per (cache level, priority): GPU first, high priority first.
+
+        Returns:
+            ``{"cache_level", "priority", "blocks", "tokens"}`` rows; none for an unknown node.
+        """
+        return [dict(r) for r in await self._fetch(CACHE_BY_PRIORITY, node_id)]
+
+    async def composition(self) -> list[dict[str, Any]]:
+        """Every node's cached blocks per (cache level, priority), in no particular order.
+
+        Returns:
+            ``{"node_id", "cache_level", "priority", "blocks"}`` rows.
+        """
+        return [dict(r) for r in await self._fetch(COMPOSITION)]
+
+    async def hit_rates(self) -> list[dict[str, Any]]:
+        """Each node's prompt-token hit rate per minute over the last 30 minutes, oldest first.
+
+        Returns:
+            ``{"node_id", "t" (the minute, epoch seconds), "hit_rate" (0..1, None: no prompt tokens)}``.
+        """
+        return [{"node_id": r["node_id"], "t": float(r["t"]),
+                 "hit_rate": float(r["hit_rate"]) if r["hit_rate"] is not None else None}
+                for r in await self._fetch(HIT_RATES)]
+
+    async def _fetch(self, sql: str, *args: Any) -> list[asyncpg.Record]:
         pool = await self.pool()
         return list(await pool.fetch(sql, *args))

@@ -18,16 +18,21 @@ Nodes that are ``stale``, ``gone``, ``suspect`` or ``unreachable`` are never cho
 credit). Nodes over the load threshold are filtered out first (unless all are). The lowest cost
 wins; ties go to the lower load, then the node id. With ``temperature > 0`` the choice is sampled
 with probability ∝ exp(−Δcost / T).
+
+What only the router knows (which nodes failed it lately, what it has sent them) is laid over the
+nodes' rows by :func:`overlay`, pure as well, before :func:`decide`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
-DEFAULT_PRIORITY = 35
+from eventbus.protocol import DEFAULT_PRIORITY
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,10 @@ class RoutingWeights:
     #: A node whose load exceeds this share of its GPU blocks is filtered out first.
     busy_fraction: float = 0.95
     temperature: float = 0.0
+
+
+#: The one home of the weights' defaults (``RouterSettings`` takes its defaults from here).
+DEFAULT_WEIGHTS = RoutingWeights()
 
 
 @dataclass(frozen=True)
@@ -123,6 +132,43 @@ def prefix_match(prompt_hashes: Sequence[int], holdings: Holdings) -> PrefixMatc
         else:
             host += 1
     return PrefixMatch(gpu, host, leaf_priority < DEFAULT_PRIORITY)
+
+
+class InflightCount(Protocol):
+    """What the router has sent a node and not seen finish (``routing_api.state.Inflight``)."""
+
+    requests: int
+    blocks: int
+
+
+def overlay(views: Sequence[NodeView], suspect_until: Mapping[str, float], inflight: Mapping[str, InflightCount],
+            now: float) -> list[NodeView]:
+    """The nodes' views with the router's own state laid over them.
+
+    PostgreSQL knows what the nodes reported; only this router process knows which nodes failed a
+    proxied request lately and what it has sent them that has not finished.
+
+    Args:
+        views: every node's view from the ``nodes`` table (``FleetView.views``).
+        suspect_until: node id → ``time.monotonic()`` until which the node is avoided.
+        inflight: node id → the requests and prompt blocks proxied to it and not finished.
+        now: the present, on the clock of ``suspect_until``.
+
+    Returns:
+        The views in the same order: a node suspect at ``now`` gets the status ``suspect``, a node
+        with requests in flight gets their counts; every other view is the very object it was.
+    """
+    out = list(views)
+    if not suspect_until and not inflight:
+        return out
+    for i, v in enumerate(out):
+        suspect = suspect_until.get(v.node_id, 0) > now
+        inf = inflight.get(v.node_id)
+        if suspect or (inf is not None and (inf.requests or inf.blocks)):
+            out[i] = dataclasses.replace(
+                v, status="suspect" if suspect else v.status,
+                inflight_requests=inf.requests if inf else 0, inflight_blocks=inf.blocks if inf else 0)
+    return out
 
 
 def decide(total: int, nodes: Sequence[NodeView], matches: Mapping[str, PrefixMatch], w: RoutingWeights,

@@ -7,7 +7,7 @@ from fastapi.testclient import TestClient
 from pydantic import BaseModel
 
 from eventbus.http import BodyLimit
-from routing_api.app import RouterApp
+from routing_api.fastpath import RouterApp
 
 
 class Body(BaseModel):
@@ -26,7 +26,7 @@ def make_app() -> tuple[FastAPI, list[bytes]]:
     async def cold(body: Body) -> dict[str, object]:
         return {"via": "cold", "n": body.n}
 
-    async def fast(raw: bytes, headers: dict[bytes, bytes]) -> tuple[int, bytes] | None:
+    async def fast(scope: dict, raw: bytes, headers: dict[bytes, bytes]) -> tuple[int, bytes] | None:
         seen.append(raw)
         if headers.get(b"x-skip") or b'"n"' not in raw:
             return None

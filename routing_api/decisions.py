@@ -1,0 +1,90 @@
+"""One routing decision, step by step: prepare the input, lay the router's state over the
+fleet, decide (pure, ``routing_api.scoring``), record, and format the answer.
+
+``POST /v1/route`` answers with the result; ``POST /v1/completions`` proxies to its choice.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import HTTPException
+
+from eventbus.hashing import prompt_hash_heads
+from routing_api.fleet import FleetView
+from routing_api.schemas import decision_body
+from routing_api.scoring import Decision, decide, overlay
+from routing_api.state import RouterState
+
+
+@dataclass(slots=True)
+class Prompt:
+    """A request's prompt, ready to decide on: its tokens, its full blocks' hashes, the fleet's view."""
+
+    tokens: Sequence[int]
+    #: the full blocks' hashes, packed 8 bytes each (``eventbus.hashing.prompt_hash_heads``)
+    hashes: bytes
+    blocks: int
+    fleet: FleetView
+
+
+@dataclass(slots=True)
+class Routed:
+    """A decision made: the decision, its answer's body (``POST /v1/route``), the prompt's blocks."""
+
+    decision: Decision
+    body: dict[str, Any]
+    prompt_blocks: int
+
+    @property
+    def matched_tokens(self) -> int:
+        """The prompt's tokens cached on the chosen node (0 without one)."""
+        matched: int = self.body["matched_tokens"]
+        return matched
+
+
+async def prepare(state: RouterState, token_ids: Sequence[int] | None, text: str | None, lora_id: int | None,
+                  salt: str | None, model: str | None) -> Prompt:
+    """Tokenize and hash the prompt in the block size of the fleet that may serve it.
+
+    Args:
+        state: the process's state (the reader, the tokenizer, the fleet views).
+        token_ids: the prompt as token ids, or None for ``text``.
+        text: the prompt as text (tokenized as the nodes do).
+        lora_id: the LoRA adapter, part of every block's hash.
+        salt: the cache salt (a tenant's name), part of the first block's hash.
+        model: only nodes serving this model may be chosen (None: any).
+
+    Raises:
+        HTTPException: 404 when no node serves ``model``.
+    """
+    rows = await state.reader.nodes()
+    if model is not None and not any(r["model"] == model for r in rows):
+        raise HTTPException(404, f"model {model!r} is not served by any node")
+    tokens: Sequence[int] = state.tokenizer.encode_compact(text or "") if token_ids is None else token_ids
+    fleet = state.fleet.view(rows, model)
+    hashes = prompt_hash_heads(tokens, fleet.block_size, lora_id=lora_id, cache_salt=salt)
+    return Prompt(tokens, hashes, len(hashes) // 8, fleet)
+
+
+async def route(state: RouterState, token_ids: Sequence[int] | None, text: str | None, lora_id: int | None,
+                salt: str | None, model: str | None) -> Routed:
+    """Decide where a prompt goes (arguments as :func:`prepare`), count it and format the answer.
+
+    ``decision_ms`` covers it all: the nodes' read, tokenizing, hashing, the query, scoring.
+
+    Raises:
+        HTTPException: 404 when no node serves ``model``.
+    """
+    t0 = time.perf_counter()
+    prompt = await prepare(state, token_ids, text, lora_id, salt, model)
+    matches = await state.reader.prefix_matches(prompt.hashes)
+    views = overlay(prompt.fleet.views, state.suspect_until, state.inflight, time.monotonic())
+    decision = decide(prompt.blocks, views, matches, state.weights, state.rng)
+    elapsed = time.perf_counter() - t0
+    body = decision_body(decision, len(prompt.tokens), prompt.blocks, prompt.fleet.block_size, elapsed)
+    state.record_decision(decision, prompt.blocks, len(prompt.tokens), body["matched_tokens"], elapsed)
+    return Routed(decision, body, prompt.blocks)

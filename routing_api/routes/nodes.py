@@ -1,0 +1,60 @@
+"""The fleet as the router sees it: ``/v1/nodes``, ``/v1/nodes/{node_id}``, ``/v1/stats``, and
+``/v1/dashboard/data`` (what the dashboard draws)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import asdict
+from typing import Any
+
+from fastapi import APIRouter
+
+from routing_api.config import ApiKey
+from routing_api.deps import State, scope
+from routing_api.errors import error_response
+from routing_api.schemas import node_json
+from routing_api.state import RouterState
+
+router = APIRouter()
+
+
+def _node(state: RouterState, row: Any) -> dict[str, Any]:
+    node_id = row["node_id"]
+    return node_json(row, state.router_inflight(node_id), state.is_suspect(node_id))
+
+
+@router.get("/v1/nodes")
+async def nodes(state: State, _: ApiKey | None = scope("read")) -> dict[str, Any]:
+    return {"nodes": [_node(state, r) for r in await state.reader.nodes(fresh=True)]}
+
+
+@router.get("/v1/nodes/{node_id}")
+async def node(node_id: str, state: State, _: ApiKey | None = scope("read")) -> Any:
+    rows = [r for r in await state.reader.nodes(fresh=True) if r["node_id"] == node_id]
+    if not rows:
+        return error_response(404, f"no node {node_id!r}", "not_found")
+    out = _node(state, rows[0])
+    out["cache_by_priority"] = await state.reader.cache_by_priority(node_id)
+    return out
+
+
+def _counts(state: RouterState) -> dict[str, int]:
+    return {"decisions": state.decisions, "proxied": state.proxied, "upstream_errors": state.upstream_errors}
+
+
+@router.get("/v1/stats")
+async def stats(state: State, _: ApiKey | None = scope("read")) -> dict[str, Any]:
+    return {**_counts(state),
+            "inflight": {k: asdict(v) for k, v in state.inflight.items() if v.requests},
+            "uptime_s": round(time.time() - state.started, 1), "weights": asdict(state.weights),
+            "tokenizer": state.tokenizer.name, "recent_decisions": list(state.recent)[:20]}
+
+
+@router.get("/v1/dashboard/data")
+async def dashboard_data(state: State, _: ApiKey | None = scope("read")) -> dict[str, Any]:
+    reader = state.reader
+    rows, composition, hit_rates = await asyncio.gather(reader.nodes(fresh=True), reader.composition(),
+                                                        reader.hit_rates())
+    return {"now": time.time(), "nodes": [_node(state, r) for r in rows], "composition": composition,
+            "hit_rates": hit_rates, "decisions": list(state.recent)[:50], "router": _counts(state)}

@@ -1,0 +1,53 @@
+"""``POST /v1/route``: the chosen node and why, through FastAPI and through the fast path."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from fastapi import APIRouter, HTTPException, Response
+from pydantic import ValidationError
+
+from eventbus.api import RouteRequest
+from routing_api.config import ApiKey
+from routing_api.decisions import route
+from routing_api.deps import State, authorize, scope, state_of
+from routing_api.errors import error_body, error_json
+from routing_api.state import RouterState
+
+router = APIRouter()
+
+
+async def route_answer(state: RouterState, req: RouteRequest, key: ApiKey | None) -> tuple[int, bytes]:
+    """``POST /v1/route`` once the body is valid and the key may route: status and JSON.
+
+    Raises:
+        HTTPException: 404 when no node serves the request's ``model``.
+    """
+    if (req.prompt is None) == (req.token_ids is None):
+        return 422, error_json("give exactly one of prompt and token_ids")
+    salt = key.tenant if key is not None and key.tenant else req.cache_salt
+    routed = await route(state, req.token_ids, req.prompt, req.lora_id, salt, req.model)
+    if routed.decision.chosen is None:
+        return 503, msgspec.json.encode({**error_body("no live node", "unavailable"), **routed.body})
+    return 200, msgspec.json.encode(routed.body)
+
+
+@router.post("/v1/route")
+async def route_endpoint(req: RouteRequest, state: State, key: ApiKey | None = scope("route")) -> Response:
+    status, content = await route_answer(state, req, key)
+    return Response(content, status_code=status, media_type="application/json")
+
+
+async def route_fast(asgi_scope: dict[str, Any], body: bytes, headers: dict[bytes, bytes]) -> tuple[int, bytes] | None:
+    """The same endpoint without the framework, for a valid body and key (``routing_api.fastpath``)."""
+    state = state_of(asgi_scope["app"])
+    try:
+        req = RouteRequest.model_validate_json(body)
+        key = authorize(state.keys, headers.get(b"authorization", b"").decode("latin-1"), "route")
+    except (ValidationError, HTTPException):
+        return None  # FastAPI answers, with its own messages
+    try:
+        return await route_answer(state, req, key)
+    except HTTPException as exc:
+        return exc.status_code, error_json(exc.detail, "http_error")

@@ -1,0 +1,63 @@
+"""The JSON the router answers with, as pure functions of decisions and rows (no I/O)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from routing_api.scoring import Candidate, Decision
+
+
+def candidate_json(c: Candidate) -> dict[str, Any]:
+    """One candidate of a decision with the parts of its score (``cost`` None: not eligible)."""
+    return {"node_id": c.node_id, "status": c.status, "eligible": c.eligible,
+            "matched_blocks": c.gpu_blocks + c.host_blocks, "gpu_blocks": c.gpu_blocks,
+            "host_blocks": c.host_blocks, "cached_credit": round(c.cached_credit, 3),
+            "prefill_blocks": round(c.prefill_blocks, 3), "decode_blocks": round(c.decode_blocks, 3),
+            "cost": None if c.cost == math.inf else round(c.cost, 3), "busy": c.busy, "reason": c.reason}
+
+
+def decision_body(decision: Decision, prompt_tokens: int, prompt_blocks: int, block_size: int,
+                  elapsed_s: float) -> dict[str, Any]:
+    """The body of ``POST /v1/route``: the choice (None when there is none) and every candidate.
+
+    Args:
+        decision: what :func:`routing_api.scoring.decide` chose.
+        prompt_tokens: the prompt's tokens.
+        prompt_blocks: its full blocks (the ones hashed and matched).
+        block_size: the block size it was hashed in.
+        elapsed_s: the time the decision took (``decision_ms``, to the microsecond).
+    """
+    chosen = decision.chosen
+    return {
+        "node_id": chosen.node_id if chosen else None,
+        "url": chosen.url if chosen else None,
+        "matched_blocks": chosen.matched_blocks if chosen else 0,
+        "matched_tokens": chosen.matched_blocks * block_size if chosen else 0,
+        "prompt_tokens": prompt_tokens, "prompt_blocks": prompt_blocks, "block_size": block_size,
+        "reason": decision.reason, "decision_ms": round(elapsed_s * 1000, 3),
+        "candidates": [candidate_json(c) for c in decision.candidates],
+    }
+
+
+def node_json(row: Mapping[str, Any], router_inflight: int, suspect: bool) -> dict[str, Any]:
+    """A ``nodes`` row as JSON, with what this router knows of the node.
+
+    Args:
+        row: the row (``routing_api.queries.NODES``).
+        router_inflight: the requests this process proxied to the node and has not seen finish.
+        suspect: whether the node failed a proxied request within ``suspect_s``.
+
+    Returns:
+        The row's columns (``last_seen`` in ISO 8601, ``counters`` decoded, ``silent_s`` a float),
+        plus ``router_inflight`` and ``suspect``.
+    """
+    d = dict(row)
+    d["last_seen"] = d["last_seen"].isoformat() if d.get("last_seen") else None
+    d["counters"] = json.loads(d["counters"]) if isinstance(d.get("counters"), str) else d.get("counters")
+    d["silent_s"] = float(d["silent_s"]) if d.get("silent_s") is not None else None
+    d["router_inflight"] = router_inflight
+    d["suspect"] = suspect
+    return d

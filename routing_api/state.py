@@ -1,0 +1,177 @@
+"""What one router process holds: its connections, its own view of the fleet, its counters.
+
+:class:`RouterState` lives on ``app.state`` (set in the app's lifespan, read through
+``routing_api.deps``). Its in-flight counts, suspicion marks and recent decisions are this process's
+own: with ``--workers N`` each process has its own (docs/router.md, "Running it").
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from eventbus.tokenizers import Tokenizer, load_tokenizer
+from routing_api.config import ApiKey, RouterSettings
+from routing_api.fleet import FleetView, fleet_view
+from routing_api.queries import StateReader
+from routing_api.scoring import Decision, RoutingWeights
+from state_store.config import DatabaseSettings
+
+#: How long the router waits to connect to a node (the whole request: ``upstream_timeout_s``).
+CONNECT_TIMEOUT_S = 5.0
+
+
+@dataclass
+class Inflight:
+    """The requests this router proxied to a node and has not seen finish, and their prompt blocks."""
+
+    requests: int = 0
+    blocks: int = 0
+
+
+class Metrics:
+    """The router's Prometheus metrics (``/metrics``), in a registry of its own."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.decisions = Counter("kvflow_router_decisions_total", "Routing decisions", ["node"], registry=r)
+        self.decision_seconds = Histogram(
+            "kvflow_router_decision_seconds", "Time to decide (tokenize, hash, query, score)",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25), registry=r)
+        self.matched_blocks = Counter("kvflow_router_matched_blocks_total", "Prompt blocks cached on the choice",
+                                      registry=r)
+        self.prompt_blocks = Counter("kvflow_router_prompt_blocks_total", "Prompt blocks routed", registry=r)
+        self.proxied = Counter("kvflow_router_proxied_total", "Completions proxied", ["node", "outcome"], registry=r)
+        self.inflight = Gauge("kvflow_router_inflight_requests", "Proxied requests not finished", ["node"],
+                              registry=r)
+
+    def record_decision(self, decision: Decision, prompt_blocks: int, elapsed_s: float) -> None:
+        """Count one decision: its time, the prompt's blocks, and the choice with its cached blocks."""
+        self.decision_seconds.observe(elapsed_s)
+        self.prompt_blocks.inc(prompt_blocks)
+        if decision.chosen is not None:
+            self.decisions.labels(decision.chosen.node_id).inc()
+            self.matched_blocks.inc(decision.chosen.matched_blocks)
+
+
+class FleetCache:
+    """The :class:`FleetView` of each model for the latest read of the ``nodes`` table.
+
+    ``StateReader.nodes`` returns the same list until it reads the table again, so a new list
+    object means a new read: the views derived from the old one are dropped. The list is held
+    (not just its ``id``), so a new list can never be mistaken for the old one.
+    """
+
+    def __init__(self, block_size: int | None) -> None:
+        self.block_size = block_size
+        self._views: dict[str | None, FleetView] = {}
+        self._rows: Sequence[Any] = []
+
+    def view(self, rows: Sequence[Any], model: str | None) -> FleetView:
+        """The fleet as a request for ``model`` sees it, derived from ``rows`` once."""
+        if self._rows is not rows:  # the reader has read the nodes table again
+            self._views.clear()
+            self._rows = rows
+        fv = self._views.get(model)
+        if fv is None:
+            fv = self._views[model] = fleet_view(rows, model, self.block_size)
+        return fv
+
+
+@dataclass
+class RouterState:
+    """One router process's state: settings, connections, and what only this process knows."""
+
+    settings: RouterSettings
+    reader: StateReader
+    tokenizer: Tokenizer
+    weights: RoutingWeights
+    keys: dict[str, ApiKey]
+    client: httpx.AsyncClient
+    metrics: Metrics = field(default_factory=Metrics)
+    fleet: FleetCache = field(default_factory=lambda: FleetCache(None))
+    inflight: dict[str, Inflight] = field(default_factory=lambda: collections.defaultdict(Inflight))
+    suspect_until: dict[str, float] = field(default_factory=dict)
+    recent: collections.deque[dict[str, Any]] = field(default_factory=collections.deque)
+    decisions: int = 0
+    proxied: int = 0
+    upstream_errors: int = 0
+    started: float = field(default_factory=time.time)
+    rng: random.Random = field(default_factory=random.Random)
+
+    @classmethod
+    def open(cls, settings: RouterSettings, keys: dict[str, ApiKey], database_url: str, db: DatabaseSettings,
+             metrics: Metrics) -> RouterState:
+        """The state of a starting process: an HTTP client for the nodes, a reader, the tokenizer.
+
+        Args:
+            settings: the router's settings.
+            keys: the API keys (none: open).
+            database_url: the reader role's URL.
+            db: the database settings (pool size, statement timeout).
+            metrics: the app's metrics (they outlive a restart of the lifespan).
+        """
+        s = settings
+        node_headers = {"authorization": f"Bearer {s.node_api_key.get_secret_value()}"} if s.node_api_key else {}
+        client = httpx.AsyncClient(timeout=httpx.Timeout(s.upstream_timeout_s, connect=CONNECT_TIMEOUT_S),
+                                   headers=node_headers,
+                                   limits=httpx.Limits(max_connections=512, max_keepalive_connections=128))
+        reader = StateReader(database_url, s.nodes_cache_s, pool_size=db.pool_size,
+                             statement_timeout_ms=db.statement_timeout_ms)
+        return cls(s, reader, load_tokenizer(s.tokenizer_dir), s.weights(), keys, client, metrics=metrics,
+                   fleet=FleetCache(s.block_size), recent=collections.deque(maxlen=s.recent_decisions))
+
+    async def close(self) -> None:
+        """Close the HTTP client, then the database connections."""
+        await self.client.aclose()
+        await self.reader.close()
+
+    def record_decision(self, decision: Decision, prompt_blocks: int, prompt_tokens: int, matched_tokens: int,
+                        elapsed_s: float) -> None:
+        """Count a decision (here and in the metrics) and keep it among the recent ones."""
+        self.decisions += 1
+        self.metrics.record_decision(decision, prompt_blocks, elapsed_s)
+        self.recent.appendleft({"ts": time.time(), "node_id": decision.chosen.node_id if decision.chosen else None,
+                                "prompt_tokens": prompt_tokens, "matched_tokens": matched_tokens,
+                                "reason": decision.reason})
+
+    def start_proxy(self, node: str, blocks: int) -> Callable[[str], None]:
+        """Count a request proxied to ``node`` with ``blocks`` prompt blocks as in flight.
+
+        Returns:
+            ``done(outcome)``, to call once when the request has finished: ``"ok"``,
+            ``"client_error"`` (the node answered 4xx) or ``"upstream_error"`` (the node failed:
+            it is then avoided for ``suspect_s``).
+        """
+        inf = self.inflight[node]
+        inf.requests += 1
+        inf.blocks += blocks
+        self.metrics.inflight.labels(node).set(inf.requests)
+        self.proxied += 1
+
+        def done(outcome: str) -> None:
+            inf.requests -= 1
+            inf.blocks -= blocks
+            self.metrics.inflight.labels(node).set(inf.requests)
+            self.metrics.proxied.labels(node, outcome).inc()
+            if outcome == "upstream_error":
+                self.upstream_errors += 1
+                self.suspect_until[node] = time.monotonic() + self.settings.suspect_s
+
+        return done
+
+    def router_inflight(self, node_id: str) -> int:
+        """How many requests this process has proxied to the node and not seen finish."""
+        inf = self.inflight.get(node_id)
+        return inf.requests if inf is not None else 0
+
+    def is_suspect(self, node_id: str) -> bool:
+        """Whether the node failed a proxied request less than ``suspect_s`` ago."""
+        return self.suspect_until.get(node_id, 0) > time.monotonic()
