@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import random
-from datetime import UTC, datetime
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime, timedelta
 
 import asyncpg
 import pytest
@@ -14,6 +15,18 @@ from routing_api.scoring import prefix_match
 from state_store.config import plain_dsn
 
 pytestmark = pytest.mark.integration
+
+BLOCK_COLUMNS = ["node_id", "block_hash", "cache_level", "priority", "num_tokens", "stored_at", "updated_at"]
+
+
+async def execute(url: str, *steps: Callable[[asyncpg.Connection], Awaitable[object]]) -> None:
+    """Run each step on one connection as the owner (the router's role may not write)."""
+    conn = await asyncpg.connect(plain_dsn(url))
+    try:
+        for step in steps:
+            await step(conn)
+    finally:
+        await conn.close()
 
 
 def node_cache(prompt: list[int], rng: random.Random, other_prompts: list[list[int]]) -> dict[int, tuple[int, int]]:
@@ -40,16 +53,7 @@ def test_sql_prefix_matches_equal_the_python_reference(migrated_database_url, re
     caches = {f"n{i}": node_cache(prompts[i % 4], rng, rng.sample(prompts, 3)) for i in range(10)}
     now = datetime.now(tz=UTC)
 
-    async def fill() -> None:
-        conn = await asyncpg.connect(plain_dsn(migrated_database_url))
-        try:
-            await conn.copy_records_to_table(
-                "node_blocks", columns=["node_id", "block_hash", "cache_level", "priority", "num_tokens",
-                                        "stored_at", "updated_at"],
-                records=[(n, h, lvl, prio, 32, now, now) for n, held in caches.items()
-                         for h, (lvl, prio) in held.items()])
-        finally:
-            await conn.close()
+    records = [(n, h, lvl, prio, 32, now, now) for n, held in caches.items() for h, (lvl, prio) in held.items()]
 
     async def query() -> list[dict]:
         reader = StateReader(reader_url)
@@ -58,7 +62,8 @@ def test_sql_prefix_matches_equal_the_python_reference(migrated_database_url, re
         finally:
             await reader.close()
 
-    asyncio.run(fill())
+    asyncio.run(execute(migrated_database_url,
+                        lambda c: c.copy_records_to_table("node_blocks", columns=BLOCK_COLUMNS, records=records)))
     got = asyncio.run(query())
     for p, matches in zip(prompts, got, strict=True):
         expected = {n: m for n, c in caches.items() if (m := prefix_match(p, c)).gpu + m.host > 0}
@@ -120,3 +125,50 @@ def test_hot_connections_bound_reuse_and_replace_broken_ones(migrated_database_u
             await hot.close()
 
     asyncio.run(scenario())
+
+
+def test_the_pages_reads_cache_by_priority_composition_and_hit_rates(migrated_database_url, reader_url):
+    now = datetime.now(tz=UTC)
+    blocks = [("a", 1, 0, 100, 32), ("a", 2, 0, 100, 32), ("a", 3, 0, 35, 16), ("a", 4, 1, 35, 32),
+              ("b", 5, 0, 10, 32)]
+    # (node, instance, seconds before hh:mm:30 of this minute, prompt tokens, cached tokens), cumulative
+    samples = [("a", "i1", 190, 0, 0), ("a", "i1", 130, 1000, 500), ("a", "i1", 70, 2000, 1250),
+               ("a", "i2", 60, 10, 0),                            # a restart: no delta from i1
+               ("b", "i1", 50, 0, 0), ("b", "i1", 40, 0, 0),      # b: no prompt tokens, no rate
+               ("c", "i1", 3600, 0, 0), ("c", "i1", 3590, 500, 500)]  # an hour ago: left out
+
+    minute = now.replace(second=30, microsecond=0)
+    stats = [(n, i, minute - timedelta(seconds=ago), p, c) for n, i, ago, p, c in samples]
+    insert_stats = ("INSERT INTO node_stats_samples (node_id, instance_id, ts, capacity_gpu, capacity_host, used_gpu,"
+                    " used_host, active_requests, queued_requests, prompt_tokens, cached_tokens)"
+                    " VALUES ($1, $2, $3, 1, 1, 0, 0, 0, 0, $4, $5)")
+    records = [(n, h, lvl, prio, tokens, now, now) for n, h, lvl, prio, tokens in blocks]
+
+    async def query() -> tuple:
+        reader = StateReader(reader_url)
+        try:
+            return (await reader.cache_by_priority("a"), await reader.cache_by_priority("nobody"),
+                    await reader.composition(), await reader.hit_rates())
+        finally:
+            await reader.close()
+
+    asyncio.run(execute(migrated_database_url,
+                        lambda c: c.copy_records_to_table("node_blocks", columns=BLOCK_COLUMNS, records=records),
+                        lambda c: c.executemany(insert_stats, stats)))
+    by_priority, nobody, composition, hit_rates = asyncio.run(query())
+    assert by_priority == [{"cache_level": 0, "priority": 100, "blocks": 2, "tokens": 64},
+                           {"cache_level": 0, "priority": 35, "blocks": 1, "tokens": 16},
+                           {"cache_level": 1, "priority": 35, "blocks": 1, "tokens": 32}]
+    assert nobody == []
+    assert sorted(composition, key=lambda r: (r["node_id"], r["cache_level"], -r["priority"])) == [
+        {"node_id": "a", "cache_level": 0, "priority": 100, "blocks": 2},
+        {"node_id": "a", "cache_level": 0, "priority": 35, "blocks": 1},
+        {"node_id": "a", "cache_level": 1, "priority": 35, "blocks": 1},
+        {"node_id": "b", "cache_level": 0, "priority": 10, "blocks": 1}]
+    a_rates = [r for r in hit_rates if r["node_id"] == "a"]
+    assert [r["hit_rate"] for r in a_rates] == [0.5, 0.75]  # oldest first
+    assert a_rates[1]["t"] - a_rates[0]["t"] == 60.0 and all(isinstance(r["t"], float) for r in a_rates)
+    assert a_rates[1]["t"] % 60 == 0 and abs(a_rates[1]["t"] - (now.timestamp() - 120)) < 90
+    assert [r["hit_rate"] for r in hit_rates if r["node_id"] == "b"] == [None]
+    assert {r["node_id"] for r in hit_rates} == {"a", "b"}
+    assert list(hit_rates[0]) == ["node_id", "t", "hit_rate"]

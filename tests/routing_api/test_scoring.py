@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 
 from eventbus.hashing import prompt_block_hashes
-from routing_api.scoring import NodeView, PrefixMatch, RoutingWeights, prefix_match
+from eventbus.protocol import DEFAULT_PRIORITY
+from routing_api.config import RouterSettings
+from routing_api.scoring import DEFAULT_WEIGHTS, NodeView, PrefixMatch, RoutingWeights, overlay, prefix_match
 from routing_api.scoring import decide as decide_matches
+from routing_api.state import Inflight
 
 W = RoutingWeights()
 H = [101, 102, 103, 104, 105, 106, 107, 108]  # a prompt of 8 full blocks
@@ -127,3 +131,46 @@ def test_an_excluded_node_is_never_chosen_whatever_it_holds():
     b = next(c for c in d.candidates if c.node_id == "b")
     assert (b.eligible, b.reason, b.matched_blocks) == (False, "serves qwen, not llama", 0)
     assert decide(H, [node("b", excluded="x")], {"b": gpu(*H)}, W).chosen is None
+
+
+def test_overlay_marks_suspects_and_adds_inflight_counts_and_leaves_the_rest_alone():
+    views = [node("a", active_blocks=3), node("b", "resyncing"), node("c"), node("d"), node("e", "stale")]
+    suspect_until = {"a": 110.0, "c": 99.0, "e": 200.0}  # c's suspicion has run out at now = 100
+    inflight = {"b": Inflight(2, 17), "c": Inflight(0, 0), "e": Inflight(1, 4)}
+    out = overlay(views, suspect_until, inflight, now=100.0)
+    assert [v.node_id for v in out] == ["a", "b", "c", "d", "e"]
+    assert out[0] == dataclasses.replace(views[0], status="suspect")
+    assert (out[0].inflight_requests, out[0].inflight_blocks, out[0].active_blocks) == (0, 0, 3)
+    assert out[1] == dataclasses.replace(views[1], inflight_requests=2, inflight_blocks=17)
+    assert out[1].status == "resyncing"
+    assert out[2] is views[2] and out[3] is views[3]  # an expired mark, an empty count, nothing: untouched
+    assert out[4] == dataclasses.replace(views[4], status="suspect", inflight_requests=1, inflight_blocks=4)
+    assert [v.status for v in views] == ["live", "resyncing", "live", "live", "stale"]  # the input is unchanged
+
+
+def test_overlay_without_router_state_is_a_copy_of_the_same_views():
+    views = (node("a"), node("b"))
+    out = overlay(views, {}, {}, now=0.0)
+    assert isinstance(out, list) and out == list(views)
+    assert all(o is v for o, v in zip(out, views, strict=True))
+    # a suspect mark at exactly now has run out
+    assert overlay(views, {"a": 5.0}, {}, now=5.0)[0] is views[0]
+
+
+def test_a_suspect_node_from_the_overlay_is_never_chosen_and_inflight_load_counts():
+    views = overlay([node("a"), node("b"), node("c")], {"a": 10.0}, {"b": Inflight(1, 8)}, now=0.0)
+    d = decide(H, views, {"a": gpu(*H), "b": gpu(*H[:4]), "c": gpu(*H[:3])}, W)
+    cand = {c.node_id: c for c in d.candidates}
+    assert (cand["a"].eligible, cand["a"].reason) == (False, "suspect: never chosen")
+    assert (cand["b"].cost, cand["c"].cost) == (12.0, 5.0)  # b: 4 to prefill + 8 in flight
+    assert d.chosen.node_id == "c"
+
+
+def test_the_weights_defaults_have_one_home():
+    assert RoutingWeights() == DEFAULT_WEIGHTS
+    for f in dataclasses.fields(RoutingWeights):
+        assert RouterSettings.model_fields[f.name].default == getattr(DEFAULT_WEIGHTS, f.name)
+    assert RouterSettings(overlap_weight=2.0, temperature=0.5).weights() == RoutingWeights(overlap_weight=2.0,
+                                                                                         temperature=0.5)
+    assert prefix_match(H, gpu(*H[:2], prio=DEFAULT_PRIORITY - 1)).leaf_low
+    assert not prefix_match(H, gpu(*H[:2], prio=DEFAULT_PRIORITY)).leaf_low

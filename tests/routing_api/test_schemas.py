@@ -1,0 +1,69 @@
+"""The router's answers, formatted from decisions and rows: exactly these JSON shapes."""
+
+from __future__ import annotations
+
+import json
+import math
+from datetime import UTC, datetime
+from decimal import Decimal
+
+from routing_api.errors import error_body, error_json, error_response
+from routing_api.schemas import candidate_json, decision_body, node_json
+from routing_api.scoring import Candidate, Decision, NodeView, PrefixMatch, RoutingWeights, decide
+
+
+def test_a_decision_is_formatted_with_its_choice_and_every_candidate():
+    views = [NodeView("a", "http://a", "live", 1000, active_blocks=2), NodeView("b", "http://b", "stale", 1000)]
+    d = decide(3, views, {"a": PrefixMatch(gpu=1, host=1)}, RoutingWeights())
+    body = decision_body(d, prompt_tokens=100, prompt_blocks=3, block_size=32, elapsed_s=0.0012345)
+    reason = "cost 3.25 = 1.25 blocks to prefill + 2 blocks of load; 2/3 prompt blocks cached (1 on host)"
+    assert body == {
+        "node_id": "a", "url": "http://a", "matched_blocks": 2, "matched_tokens": 64,
+        "prompt_tokens": 100, "prompt_blocks": 3, "block_size": 32, "reason": reason, "decision_ms": 1.234,
+        "candidates": [
+            {"node_id": "a", "status": "live", "eligible": True, "matched_blocks": 2, "gpu_blocks": 1,
+             "host_blocks": 1, "cached_credit": 1.75, "prefill_blocks": 1.25, "decode_blocks": 2.0,
+             "cost": 3.25, "busy": False, "reason": reason},
+            {"node_id": "b", "status": "stale", "eligible": False, "matched_blocks": 0, "gpu_blocks": 0,
+             "host_blocks": 0, "cached_credit": 0.0, "prefill_blocks": 0.0, "decode_blocks": 0.0,
+             "cost": None, "busy": False, "reason": "stale: never chosen"}]}
+    assert list(body) == ["node_id", "url", "matched_blocks", "matched_tokens", "prompt_tokens", "prompt_blocks",
+                          "block_size", "reason", "decision_ms", "candidates"]  # the order clients see
+
+
+def test_no_choice_is_formatted_with_nulls_and_zeros():
+    d = Decision(None, [Candidate("b", "http://b", "gone", eligible=False, reason="gone: never chosen")], 4,
+                 "no live node")
+    body = decision_body(d, prompt_tokens=130, prompt_blocks=4, block_size=32, elapsed_s=0.5)
+    assert {k: v for k, v in body.items() if k != "candidates"} == {
+        "node_id": None, "url": None, "matched_blocks": 0, "matched_tokens": 0, "prompt_tokens": 130,
+        "prompt_blocks": 4, "block_size": 32, "reason": "no live node", "decision_ms": 500.0}
+    assert body["candidates"] == [candidate_json(d.candidates[0])]
+    thirds = candidate_json(Candidate("x", "", "live", True, cached_credit=2 / 3, prefill_blocks=7 / 3,
+                                      decode_blocks=1 / 7, cost=1 / 3))
+    assert [thirds[k] for k in ("cached_credit", "prefill_blocks", "decode_blocks", "cost")] == [
+        0.667, 2.333, 0.143, 0.333]
+    assert candidate_json(Candidate("x", "", "live", False, cost=math.inf))["cost"] is None
+
+
+def test_a_nodes_row_is_formatted_with_what_the_router_knows():
+    row = {"node_id": "a", "status": "live", "last_seen": datetime(2024, 1, 2, 3, 4, 5, tzinfo=UTC),
+           "counters": '{"prompt_tokens": 7}', "silent_s": Decimal("1.5"), "capacity_gpu": 10}
+    assert node_json(row, router_inflight=2, suspect=True) == {
+        "node_id": "a", "status": "live", "last_seen": "2024-01-02T03:04:05+00:00", "counters": {"prompt_tokens": 7},
+        "silent_s": 1.5, "capacity_gpu": 10, "router_inflight": 2, "suspect": True}
+    bare = node_json({"node_id": "b", "last_seen": None, "counters": {"x": 1}, "silent_s": None}, 0, False)
+    assert bare == {"node_id": "b", "last_seen": None, "counters": {"x": 1}, "silent_s": None,
+                    "router_inflight": 0, "suspect": False}
+    assert row["counters"] == '{"prompt_tokens": 7}'  # the row itself is left as it was
+
+
+def test_errors_have_one_shape():
+    assert error_body("bad", "invalid_request_error") == {"error": {"message": "bad", "type": "invalid_request_error"}}
+    assert json.loads(error_json("gone", "not_found")) == {"error": {"message": "gone", "type": "not_found"}}
+    r = error_response(502, "upstream node a failed", "upstream_error", node_id="a")
+    assert (r.status_code, r.headers["x-kvflow-node"]) == (502, "a")
+    assert json.loads(r.body) == {"error": {"message": "upstream node a failed", "type": "upstream_error",
+                                            "node_id": "a"}}
+    r = error_response(401, "missing bearer API key", "http_error", headers={"WWW-Authenticate": "Bearer"})
+    assert r.headers["www-authenticate"] == "Bearer" and "x-kvflow-node" not in r.headers
