@@ -214,7 +214,7 @@ def materializer_cmd(
     loglevel: Annotated[str, typer.Option(help="crit, error, warn, info or debug.")] = "info",
 ) -> None:
     """Run a materializer worker: kv-events and node-stats from Kafka into PostgreSQL (faust)."""
-    from state_store.materializer import build_app, run_worker
+    from state_store.faust_app import build_app, run_worker
 
     def run() -> None:
         try:

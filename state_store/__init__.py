@@ -1,1 +1,1 @@
-"""State store: kvflow's PostgreSQL schema (models), sessions, queries and the materializer."""
+"""State store: kvflow's PostgreSQL schema (models), its SQL, the planner, the pipeline and the materializer."""

@@ -1,4 +1,5 @@
-"""Database settings (``KVFLOW_DATABASE_…``).
+"""The state store's settings: the database (``KVFLOW_DATABASE_…``) and the materializer
+(``KVFLOW_MATERIALIZER_…``).
 
 Two roles, two URLs (DESIGN.md, "PostgreSQL"): the owner/writer role used by migrations and the
 materializer, and the read-only role used by the routing API and analysts.
@@ -71,3 +72,26 @@ class DatabaseSettings(BaseSettings):
         for name, url in used:
             pw = make_url(url.get_secret_value()).password
             check_secret(f"the password in {name}", SecretStr(pw) if pw else None, env)
+
+
+class MaterializerSettings(BaseSettings):
+    """``KVFLOW_MATERIALIZER_…``"""
+
+    model_config = SettingsConfigDict(env_prefix="KVFLOW_MATERIALIZER_", extra="ignore")
+
+    group_id: str = Field(default="kvflow-materializer", description="Kafka consumer group (and faust app id).")
+    batch_max: int = Field(default=2000, ge=1, description="Messages per transaction at most.")
+    batch_within_s: float = Field(default=0.05, gt=0, description="Longest wait to fill a batch.")
+    stale_after_s: float = Field(default=6.0, gt=0, description="No heartbeat or event for this long: stale.")
+    gone_after_s: float = Field(default=60.0, gt=0, description="Stale this long: gone, its blocks cleared.")
+    retention_days: float = Field(default=7.0, gt=0, description="History kept in block_events.")
+    resync_cooldown_s: float = Field(default=5.0, ge=0, description="Ask a node for a snapshot at most this often.")
+    web_host: str = Field(default="127.0.0.1", description="Bind address of /healthz and /metrics.")
+    web_port: int = Field(default=6066, description="Port of /healthz and /metrics (0: no web server).")
+    pool_size: int = Field(default=2, ge=1, description="Database connections.")
+    datadir: str | None = Field(default=None, description="faust's data folder (no tables are kept there).")
+    session_timeout_s: float = Field(default=10.0, description="Kafka group session timeout.")
+    fetch_max_wait_ms: int = Field(default=100, ge=1, le=1500,
+                                   description="Longest a fetch waits at the broker for partitions without new data.")
+    native: bool = Field(default=True, description="Plan plain takes with the compiled hot path when kvflow_native "
+                                                   "is installed (state_store/native.py).")

@@ -5,7 +5,7 @@ store, remove or update blocks as the stored state expects. :class:`NativeNodeCa
 worker's ``node_blocks`` rows in the extension's ``BlockStore`` and plans such a take there
 (:class:`FastPlanner`): it reads the decoded batches and writes the ``block_events``
 rows and the net ``node_blocks`` change straight into binary COPY data, with no Python object per
-block event (:class:`~state_store.apply.NativeWrites`; ~0.5 µs of CPU per block event against
+block event (:class:`~state_store.plans.CompiledPlan`; ~0.5 µs of CPU per block event against
 ~3.7 µs for planning in Python and letting asyncpg encode the rows).
 
 Every other take (a node it has not seen, a new instance, a gap or a redelivery, a node not live,
@@ -26,8 +26,9 @@ from dataclasses import replace
 from typing import Any
 
 from eventbus.protocol import EventBatch, Removed, Stored, Updated
-from state_store.apply import LIVE, STALE, BlockRow, NativeWrites, NodeCache, NodeRow, Plan, ts
+from state_store.apply import NodeCache, ts
 from state_store.pgtime import from_pg_micros, pg_micros
+from state_store.plans import LIVE, STALE, BlockRow, CompiledPlan, Counts, NativeWrites, NodeRow, RowsPlan
 
 try:
     import kvflow_native
@@ -70,9 +71,8 @@ class NativeNodeCache(NodeCache):
         for n, r in rows.items():
             self.store.load(n, r)
 
-    def apply(self, p: Plan) -> None:
-        # What the reference planner planned (FastPlanner.finish already left the store at the end
-        # of the nodes it planned, ``p.native``).
+    def apply_rows(self, p: RowsPlan) -> None:
+        # What the reference planner planned (a compiled plan's blocks are in the store already).
         store = self.store
         for node in p.resets:
             store.reset(node)
@@ -80,7 +80,6 @@ class NativeNodeCache(NodeCache):
             store.delete(node, h)
         for (node, h), row in p.upserts.items():
             store.put(node, h, _row(row))
-        self.nodes.update(p.nodes)
 
     def clear(self) -> None:
         super().clear()
@@ -105,7 +104,8 @@ class FastPlanner:
         self.cache = cache
         self.store = cache.store
         self.rows: dict[str, NodeRow] = {}
-        self.out = Plan()
+        self.counts = Counts()
+        self.batch_ts: list[float] = []
         self.store.begin()
 
     def add(self, b: EventBatch) -> bool:
@@ -120,24 +120,22 @@ class FastPlanner:
         # As the reference planner: a stale node that speaks is live again.
         self.rows[node] = replace(row, last_event_id=events[-1].event_id, status=LIVE,
                                   window_size=events[-1].window_size)
-        c = self.out.counts
+        c = self.counts
         c.batches += 1
         c.events += len(events)
-        self.out.batch_ts.append(b.ts)
+        self.batch_ts.append(b.ts)
         return True
 
     def abort(self) -> None:
         self.store.abort()
 
-    def finish(self) -> Plan:
-        out = self.out
-        out.native = NativeWrites(*self.store.finish())
-        out.nodes = self.rows
-        out.counts.block_events = out.native.history_rows
-        return out
+    def finish(self) -> CompiledPlan:
+        writes = NativeWrites(*self.store.finish())
+        self.counts.block_events = writes.history_rows
+        return CompiledPlan(nodes=self.rows, batch_ts=self.batch_ts, counts=self.counts, writes=writes)
 
 
-def plan_fast(cache: NativeNodeCache, batches: Sequence[EventBatch]) -> Plan | None:
+def plan_fast(cache: NativeNodeCache, batches: Sequence[EventBatch]) -> CompiledPlan | None:
     """The whole take at once (tests, benchmarks); None: outside the hot path."""
     fp = cache.fast_planner()
     for b in batches:

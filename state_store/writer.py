@@ -1,4 +1,6 @@
-"""Applying a :class:`~state_store.apply.Plan` to PostgreSQL, in one transaction, with asyncpg.
+"""The materializer's database side, with asyncpg: a take's :data:`~state_store.plans.Plan` in
+one transaction, and the heartbeats, liveness and maintenance statements (the SQL text of all of
+them is in :mod:`state_store.sql`).
 
 Batched statements only: ``COPY`` for the history, array (``unnest``) statements for
 ``node_blocks`` and ``nodes``; the compiled hot path's ``node_blocks`` rows come as ``COPY`` data
@@ -14,23 +16,27 @@ import logging
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import asyncpg
+import msgspec
 
-from eventbus.protocol import EventBatch
-from state_store.apply import (
-    HISTORY_COLUMNS,
-    BlockRow,
-    NativeWrites,
-    NodeRow,
-    Plan,
-    blocks_to_look_up,
-    plan,
-)
+from eventbus.protocol import EventBatch, NodeStats
+from state_store import sql
+from state_store.apply import blocks_to_look_up, plan
 from state_store.config import plain_dsn
 from state_store.pgtime import from_pg_micros, pg_micros
+from state_store.plans import (
+    HISTORY_COLUMNS,
+    BlockRow,
+    CompiledPlan,
+    NativeWrites,
+    NodeRow,
+    PartsPlan,
+    Plan,
+    RowsPlan,
+)
 
 log = logging.getLogger("kvflow.materializer")
 T = TypeVar("T")
@@ -51,96 +57,12 @@ TRANSIENT = (
     asyncpg.QueryCanceledError,
 )
 
-LOCK_NODES = """
-INSERT INTO nodes (node_id, instance_id) SELECT unnest($1::text[]), '' ON CONFLICT (node_id) DO NOTHING;
-"""
-READ_NODES = """
-SELECT node_id, instance_id, last_event_id, status, instance_started_at, window_size, capacity_gpu, capacity_host
-FROM nodes WHERE node_id = ANY($1::text[]) ORDER BY node_id
-"""
-SELECT_NODES = READ_NODES + " FOR UPDATE"
-SELECT_BLOCKS = """
-SELECT nb.node_id, nb.block_hash, nb.parent_hash, nb.cache_level, nb.priority, nb.num_tokens, nb.lora_id,
-       nb.window_size, nb.stored_at, nb.updated_at
-FROM node_blocks nb JOIN unnest($1::text[], $2::bigint[]) AS k(node_id, block_hash)
-  ON nb.node_id = k.node_id AND nb.block_hash = k.block_hash
-"""
-RESET_BLOCKS = "DELETE FROM node_blocks WHERE node_id = ANY($1::text[])"
-DELETE_BLOCKS = """
-DELETE FROM node_blocks nb USING unnest($1::text[], $2::bigint[]) AS d(node_id, block_hash)
-WHERE nb.node_id = d.node_id AND nb.block_hash = d.block_hash
-"""
-BLOCK_COLUMNS = ("node_id", "block_hash", "parent_hash", "cache_level", "priority", "num_tokens", "lora_id",
-                 "window_size", "stored_at", "updated_at")
-UPSERT_BLOCKS = f"""
-INSERT INTO node_blocks ({", ".join(BLOCK_COLUMNS)})
-SELECT * FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::smallint[], $5::smallint[], $6::integer[],
-                     $7::bigint[], $8::integer[], $9::timestamptz[], $10::timestamptz[])
-ON CONFLICT (node_id, block_hash) DO UPDATE SET
-  parent_hash = EXCLUDED.parent_hash, cache_level = EXCLUDED.cache_level, priority = EXCLUDED.priority,
-  num_tokens = EXCLUDED.num_tokens, lora_id = EXCLUDED.lora_id, window_size = EXCLUDED.window_size,
-  stored_at = EXCLUDED.stored_at, updated_at = EXCLUDED.updated_at
-"""
-# The compiled hot path's node_blocks changes arrive as COPY data: new rows straight into
-# node_blocks, changed rows and deleted keys into per-connection staging tables (emptied at every
-# commit) that one statement each applies. (Made with each connection, once the schema is there; a
-# connection without them fails its hot-path write, which is replanned.)
-CREATE_STAGING = """
-DO $$ BEGIN
-  IF to_regclass('node_blocks') IS NOT NULL THEN
-    CREATE TEMP TABLE IF NOT EXISTS kvflow_stage_updates (LIKE node_blocks) ON COMMIT DELETE ROWS;
-    CREATE TEMP TABLE IF NOT EXISTS kvflow_stage_deletes (node_id text NOT NULL, block_hash bigint NOT NULL)
-      ON COMMIT DELETE ROWS;
-  END IF;
-END $$
-"""
-UPDATE_NODES = """
-UPDATE nodes n SET
-  instance_id = u.instance_id, last_event_id = u.last_event_id,
-  status_changed_at = CASE WHEN n.status <> u.status THEN now() ELSE n.status_changed_at END,
-  status = u.status, instance_started_at = u.instance_started_at, window_size = u.window_size,
-  capacity_gpu = u.capacity_gpu, capacity_host = u.capacity_host, last_seen = now(), updated_at = now()
-FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[], $5::timestamptz[], $6::integer[],
-            $7::integer[], $8::integer[])
-     AS u(node_id, instance_id, last_event_id, status, instance_started_at, window_size, capacity_gpu, capacity_host)
-WHERE n.node_id = u.node_id
-"""
-# The hot path's staged deletes and updates and its node rows, in one statement (one round trip):
-# how many rows each touched, for the caller to check.
-APPLY_STAGED = f"""
-WITH deleted AS (
-  DELETE FROM node_blocks nb USING kvflow_stage_deletes s
-  WHERE nb.node_id = s.node_id AND nb.block_hash = s.block_hash
-  RETURNING 1
-), updated AS (
-  UPDATE node_blocks nb SET
-    parent_hash = s.parent_hash, cache_level = s.cache_level, priority = s.priority, num_tokens = s.num_tokens,
-    lora_id = s.lora_id, window_size = s.window_size, stored_at = s.stored_at, updated_at = s.updated_at
-  FROM kvflow_stage_updates s WHERE nb.node_id = s.node_id AND nb.block_hash = s.block_hash
-  RETURNING 1
-), node_rows AS ({UPDATE_NODES.strip()}
-  RETURNING 1
-)
-SELECT (SELECT count(*) FROM deleted), (SELECT count(*) FROM updated), (SELECT count(*) FROM node_rows)
-"""
-# Ask a node for a snapshot at most once per cooldown: returns the nodes to ask now.
-MARK_RESYNC = """
-UPDATE nodes SET resync_requested_at = now()
-WHERE node_id = ANY($1::text[])
-  AND (resync_requested_at IS NULL OR resync_requested_at < now() - make_interval(secs => $2))
-RETURNING node_id
-"""
-
-
-SELECT_NODE_BLOCKS = """
-SELECT node_id, block_hash, parent_hash, cache_level, priority, num_tokens, lora_id, window_size, stored_at,
-       updated_at
-FROM node_blocks WHERE node_id = ANY($1::text[])
-"""
-
 
 @dataclass
 class Applied:
+    """A committed take: its plan, and the nodes to ask for a snapshot now (at most once per
+    cooldown each)."""
+
     plan: Plan
     resync_now: list[str]
 
@@ -160,7 +82,7 @@ def _timestamptz_decode(value: tuple[int]) -> datetime:
 async def _init_connection(conn: asyncpg.Connection) -> None:
     await conn.set_type_codec("timestamptz", schema="pg_catalog", encoder=_timestamptz_encode,
                               decoder=_timestamptz_decode, format="tuple")
-    await conn.execute(CREATE_STAGING)
+    await conn.execute(sql.CREATE_STAGING)
 
 
 class Writer:
@@ -200,8 +122,8 @@ class Writer:
         pool = await self.pool()
         async with pool.acquire() as conn, conn.transaction():
             node_ids = sorted({b.node_id for b in batches})
-            await conn.execute(LOCK_NODES, node_ids)
-            nodes = {r["node_id"]: NodeRow(*r) for r in await conn.fetch(SELECT_NODES, node_ids)}
+            await conn.execute(sql.LOCK_NODES, node_ids)
+            nodes = {r["node_id"]: NodeRow(*r) for r in await conn.fetch(sql.SELECT_NODES, node_ids)}
             for n, row in list(nodes.items()):
                 if row.instance_id == "":  # a placeholder inserted just now
                     nodes.pop(n)
@@ -209,7 +131,7 @@ class Writer:
             known: dict[tuple[str, int], BlockRow] = {}
             if keys:
                 kn, kh = zip(*keys, strict=True)
-                for r in await conn.fetch(SELECT_BLOCKS, list(kn), list(kh)):
+                for r in await conn.fetch(sql.SELECT_BLOCKS, list(kn), list(kh)):
                     known[(r["node_id"], r["block_hash"])] = BlockRow(*r)
             p = plan(batches, nodes, known)
             return await self._write(conn, p)
@@ -218,8 +140,8 @@ class Writer:
         """The complete state of some nodes, for a worker's NodeCache."""
         pool = await self.pool()
         async with pool.acquire() as conn, conn.transaction(isolation="repeatable_read", readonly=True):
-            nodes = [NodeRow(*r) for r in await conn.fetch(READ_NODES, node_ids) if r["instance_id"] != ""]
-            blocks = [BlockRow(*r) for r in await conn.fetch(SELECT_NODE_BLOCKS, node_ids)]
+            nodes = [NodeRow(*r) for r in await conn.fetch(sql.READ_NODES, node_ids) if r["instance_id"] != ""]
+            blocks = [BlockRow(*r) for r in await conn.fetch(sql.SELECT_NODE_BLOCKS, node_ids)]
         return nodes, blocks
 
     async def apply_planned(self, p: Plan, expected: dict[str, tuple[str, int] | None]) -> Applied:
@@ -233,8 +155,8 @@ class Writer:
         async with pool.acquire() as conn, conn.transaction():
             node_ids = sorted(expected)
             if None in expected.values():  # a row to lock for a node the cache says has none
-                await conn.execute(LOCK_NODES, node_ids)
-            rows = await conn.fetch(SELECT_NODES, node_ids)
+                await conn.execute(sql.LOCK_NODES, node_ids)
+            rows = await conn.fetch(sql.SELECT_NODES, node_ids)
             for r in rows:
                 have = None if r["instance_id"] == "" else (r["instance_id"], r["last_event_id"])
                 if have != expected[r["node_id"]]:
@@ -247,33 +169,84 @@ class Writer:
         await write(conn, p)
         resync_now: list[str] = []
         if p.resync:  # ask each node at most once per cooldown
-            resync_now = [r["node_id"] for r in await conn.fetch(MARK_RESYNC, sorted(p.resync),
+            resync_now = [r["node_id"] for r in await conn.fetch(sql.MARK_RESYNC, sorted(p.resync),
                                                                  self.resync_cooldown_s)]
         return Applied(p, resync_now)
 
     async def run(self, fn: Callable[[asyncpg.Connection], Awaitable[T]]) -> T:
+        """``fn`` with a connection of the pool."""
         pool = await self.pool()
         async with pool.acquire() as conn:
             return await fn(conn)
 
+    async def apply_stats(self, stats: Sequence[NodeStats]) -> None:
+        """Heartbeats, in one transaction: each node's newest into ``nodes``, every one into
+        ``node_stats_samples``."""
+        latest: dict[str, NodeStats] = {}
+        for s in stats:
+            if s.node_id not in latest or s.ts >= latest[s.node_id].ts:
+                latest[s.node_id] = s
+        rows = list(latest.values())
+        pool = await self.pool()
+        async with pool.acquire() as conn, conn.transaction():
+            await conn.execute(
+                sql.STATS_UPSERT, [s.node_id for s in rows], [s.instance_id for s in rows], [s.url for s in rows],
+                [s.model for s in rows], [s.block_size for s in rows], [s.capacity[0] for s in rows],
+                [s.capacity[1] for s in rows], [s.used[0] for s in rows], [s.used[1] for s in rows],
+                [s.active_requests for s in rows], [s.queued_requests for s in rows],
+                [s.last_event_id for s in rows], [_json(s.counters) for s in rows], [s.active_blocks for s in rows])
+            await conn.execute(
+                sql.STATS_SAMPLES, [s.node_id for s in stats], [s.instance_id for s in stats],
+                [datetime.fromtimestamp(s.ts, tz=UTC) for s in stats], [s.capacity[0] for s in stats],
+                [s.capacity[1] for s in stats], [s.used[0] for s in stats], [s.used[1] for s in stats],
+                [s.active_requests for s in stats], [s.queued_requests for s in stats],
+                [s.counters.prompt_tokens for s in stats], [s.counters.cached_tokens for s in stats],
+                [_json(s.counters) for s in stats])
+
+    async def mark_liveness(self, stale_after_s: float, gone_after_s: float) -> list[str]:
+        """live/resyncing → stale after ``stale_after_s`` of silence; stale → gone (blocks
+        cleared) after ``gone_after_s``. Returns the nodes gone now."""
+        pool = await self.pool()
+        async with pool.acquire() as conn:
+            return [r["node_id"] for r in await conn.fetch(sql.LIVENESS, stale_after_s, gone_after_s)]
+
+    async def run_maintenance(self, retention_days: float) -> None:
+        """Partitions ahead and retention, by one worker at a time (advisory lock)."""
+        pool = await self.pool()
+        async with pool.acquire() as conn, conn.transaction():
+            if await conn.fetchval(sql.MAINTENANCE_LOCK):
+                await conn.execute(sql.ENSURE_PARTITIONS)
+                await conn.execute(sql.APPLY_RETENTION, retention_days * 86400.0)
+
+
+def _json(counters: Any) -> str:
+    return msgspec.json.encode(counters).decode()
+
 
 async def write(conn: asyncpg.Connection, p: Plan) -> None:
-    for part in p.after:
-        await write(conn, part)
-    if p.native is not None:  # nothing else: FastPlanner.finish
-        await _write_native(conn, p.native, p.nodes)
-        return
+    """Write a plan with ``conn`` (in the caller's transaction), by its kind."""
+    if isinstance(p, PartsPlan):
+        for part in p.parts:
+            await write(conn, part)
+    elif isinstance(p, CompiledPlan):
+        await _write_native(conn, p.writes, p.nodes)
+    else:
+        await _write_rows(conn, p)
+
+
+async def _write_rows(conn: asyncpg.Connection, p: RowsPlan) -> None:
     if p.resets:
-        await conn.execute(RESET_BLOCKS, sorted(p.resets))
+        await conn.execute(sql.RESET_BLOCKS, sorted(p.resets))
     if p.deletes:
         dn, dh = zip(*p.deletes, strict=True)
-        _expect(await conn.execute(DELETE_BLOCKS, list(dn), list(dh)), len(dn))
+        _expect(await conn.execute(sql.DELETE_BLOCKS, list(dn), list(dh)), len(dn))
     if p.upserts:
-        # BlockRow's fields are UPSERT_BLOCKS's parameters, in order: columns by one zip (in C).
-        await conn.execute(UPSERT_BLOCKS, *map(list, zip(*p.upserts.values(), strict=True)))
+        # BlockRow's fields are sql.UPSERT_BLOCKS's parameters, in order: columns by one zip (in C).
+        await conn.execute(sql.UPSERT_BLOCKS, *map(list, zip(*p.upserts.values(), strict=True)))
     if p.history:
         await conn.copy_records_to_table("block_events", records=p.history, columns=HISTORY_COLUMNS)
-    await _write_nodes(conn, p)
+    if p.nodes:
+        await conn.execute(sql.UPDATE_NODES, *_node_columns(p.nodes))
 
 
 async def _write_native(conn: asyncpg.Connection, n: NativeWrites, nodes: dict[str, NodeRow]) -> None:
@@ -283,15 +256,15 @@ async def _write_native(conn: asyncpg.Connection, n: NativeWrites, nodes: dict[s
     if n.delete_rows:
         await _copy(conn, "kvflow_stage_deletes", n.deletes, ("node_id", "block_hash"))
     if n.update_rows:
-        await _copy(conn, "kvflow_stage_updates", n.updates, BLOCK_COLUMNS)
+        await _copy(conn, "kvflow_stage_updates", n.updates, sql.BLOCK_COLUMNS)
     if n.insert_rows:
         try:
-            await _copy(conn, "node_blocks", n.inserts, BLOCK_COLUMNS)
+            await _copy(conn, "node_blocks", n.inserts, sql.BLOCK_COLUMNS)
         except asyncpg.UniqueViolationError as exc:
             raise StaleCache(f"a block the cache did not hold is in node_blocks: {exc}") from exc
     if n.history_rows:
         await _copy(conn, "block_events", n.history, HISTORY_COLUMNS)
-    done = tuple(await conn.fetchrow(APPLY_STAGED, *_node_columns(nodes)))
+    done = tuple(await conn.fetchrow(sql.APPLY_STAGED, *_node_columns(nodes)))
     if done != (n.delete_rows, n.update_rows, len(nodes)):
         raise StaleCache(f"deleted, updated, node rows: {done}, planned {(n.delete_rows, n.update_rows, len(nodes))}")
 
@@ -316,13 +289,8 @@ async def _copy(conn: asyncpg.Connection, table: str, data: bytes, columns: Sequ
 _COPY_CHUNK = 1 << 20
 
 
-async def _write_nodes(conn: asyncpg.Connection, p: Plan) -> None:
-    if p.nodes:
-        await conn.execute(UPDATE_NODES, *_node_columns(p.nodes))
-
-
 def _node_columns(nodes: dict[str, NodeRow]) -> list[list[Any]]:
-    """UPDATE_NODES's parameters."""
+    """sql.UPDATE_NODES's parameters."""
     rows = list(nodes.values())
     return [[r.node_id for r in rows], [r.instance_id for r in rows], [r.last_event_id for r in rows],
             [r.status for r in rows], [r.instance_started_at for r in rows], [r.window_size for r in rows],

@@ -108,7 +108,7 @@ def _produce_encoded(k: KafkaSettings, messages: list[tuple[bytes, bytes]], prod
 def raw_ceiling(url: str, batches: list[EventBatch]) -> tuple[float, int]:
     """Seconds to COPY the same history and final node_blocks rows into fresh tables."""
     p = plan(batches, {}, {})
-    from state_store.apply import HISTORY_COLUMNS
+    from state_store.plans import HISTORY_COLUMNS
 
     blocks = [(r.node_id, r.block_hash, r.parent_hash, r.cache_level, r.priority, r.num_tokens, r.lora_id,
                r.window_size, r.stored_at, r.updated_at) for r in p.upserts.values()]

@@ -7,7 +7,8 @@ from datetime import UTC, datetime
 import pytest
 
 from eventbus import protocol as p
-from state_store.apply import LIVE, RESYNCING, BlockRow, NodeRow, blocks_to_look_up, plan, ts
+from state_store.apply import blocks_to_look_up, plan, ts
+from state_store.plans import LIVE, RESYNCING, BlockRow, NodeRow
 
 T0 = 1_700_000_000.0
 
@@ -148,6 +149,12 @@ def test_sql_hashes_are_signed():
     big = (1 << 64) - 5
     out = plan([batch("n", "i", 0, CREATED, stored(None, big))], {}, {})
     assert list(out.upserts) == [("n", -5)]
+
+
+def test_an_events_hashes_convert_to_sql_as_each_one_does():
+    hashes = [0, 1, (1 << 63) - 1, 1 << 63, (1 << 64) - 1]
+    assert p.to_sql_list(hashes) == [p.to_sql(h) for h in hashes] == [0, 1, (1 << 63) - 1, -(1 << 63), -1]
+    assert [p.from_sql(v) for v in p.to_sql_list(hashes)] == hashes
 
 
 def test_a_gone_node_that_speaks_again_needs_a_snapshot():

@@ -9,7 +9,7 @@ from faust.types.auth import AuthProtocol
 from pydantic import SecretStr
 
 from eventbus.config import KafkaSecurityProtocol, KafkaSettings
-from state_store.materializer import _credentials
+from state_store.faust_app import broker_credentials
 
 pytestmark = pytest.mark.unit
 
@@ -19,7 +19,7 @@ def settings(protocol: str, **kw) -> KafkaSettings:
 
 
 def test_plaintext_needs_no_credentials():
-    assert _credentials(settings("PLAINTEXT")) == {}
+    assert broker_credentials(settings("PLAINTEXT")) == {}
 
 
 @pytest.mark.parametrize(("protocol", "expected"), [
@@ -28,7 +28,7 @@ def test_plaintext_needs_no_credentials():
     ("SSL", AuthProtocol.SSL),
 ])
 def test_protocol_is_kept(protocol, expected):
-    creds = _credentials(settings(protocol))["broker_credentials"]
+    creds = broker_credentials(settings(protocol))["broker_credentials"]
     assert creds.protocol is expected
     # faust names the context `ssl_context` on SASL credentials and `context` on SSL ones
     context = creds.ssl_context if protocol.startswith("SASL") else creds.context
@@ -40,5 +40,5 @@ def test_protocol_is_kept(protocol, expected):
 
 
 def test_sasl_carries_user_password_and_mechanism():
-    creds = _credentials(settings("SASL_SSL", sasl_mechanism="SCRAM-SHA-256"))["broker_credentials"]
+    creds = broker_credentials(settings("SASL_SSL", sasl_mechanism="SCRAM-SHA-256"))["broker_credentials"]
     assert (creds.username, creds.password, str(creds.mechanism.value)) == ("u", "pw", "SCRAM-SHA-256")

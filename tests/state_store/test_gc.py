@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from state_store.materializer import GC_THRESHOLDS, tune_gc
+from state_store.faust_app import GC_THRESHOLDS, tune_gc
 
 
 class Node:

@@ -226,8 +226,8 @@ def test_the_worker_consumer_fetches_with_the_configured_wait(kafka_settings, mi
     """faust hard-codes a 1.5 s fetch wait; the worker's consumer starts its fetcher with ours."""
     import asyncio
 
-    from state_store.config import DatabaseSettings
-    from state_store.materializer import MaterializerSettings, build_app
+    from state_store.config import DatabaseSettings, MaterializerSettings
+    from state_store.faust_app import build_app
 
     monkeypatch.setenv("KVFLOW_DATABASE_URL", migrated_database_url)
     app = build_app(kafka_settings, DatabaseSettings(),
@@ -247,3 +247,4 @@ def test_the_worker_consumer_fetches_with_the_configured_wait(kafka_settings, mi
         assert asyncio.run(started_fetcher_wait()) == 77
     finally:
         thread.thread_loop.close()
+

@@ -21,10 +21,20 @@ import msgspec
 import pytest
 
 from eventbus import protocol as p
-from state_store.apply import LIVE, STALE, BlockRow, NodeCache, NodeRow, Plan, Planner, ts
-from state_store.materializer import EventsPipeline
+from state_store.apply import NodeCache, Planner, ts
 from state_store.native import NativeNodeCache, available, plan_fast
 from state_store.pgtime import from_pg_micros, pg_micros
+from state_store.pipeline import TakePlanner
+from state_store.plans import (
+    LIVE,
+    STALE,
+    BlockRow,
+    CompiledPlan,
+    NodeRow,
+    PartsPlan,
+    Plan,
+    RowsPlan,
+)
 from tests.support import CoreNode
 
 if not available():
@@ -71,13 +81,12 @@ def parse_copy(data: bytes, types: tuple[str, ...]) -> list[tuple[Any, ...]]:
 Keyed = dict[tuple[str, int], BlockRow]
 
 
-def rows_of(part: Plan) -> tuple[list[tuple[Any, ...]], Keyed, Keyed, Keyed, set[tuple[str, int]]]:
+def rows_of(part: RowsPlan | CompiledPlan) -> tuple[list[tuple[Any, ...]], Keyed, Keyed, Keyed, set[tuple[str, int]]]:
     """A part's history rows, inserts, updates, upserts (either) and deletes; the hot path's
     parsed from its COPY data (it always knows which rows are new: no upserts)."""
-    n = part.native
-    if n is None:
+    if isinstance(part, RowsPlan):
         return part.history, {}, {}, part.upserts, part.deletes
-    assert not (part.history or part.upserts or part.deletes or part.resets)
+    n = part.writes
     history = parse_copy(n.history, HISTORY_TYPES)
     inserts = [BlockRow(*r) for r in parse_copy(n.inserts, BLOCK_TYPES)]
     updates = [BlockRow(*r) for r in parse_copy(n.updates, BLOCK_TYPES)]
@@ -93,9 +102,10 @@ def write(sql: Keyed, pl: Plan) -> list[tuple[Any, ...]]:
     A delete or update of a row that is not there, or an insert of one that is, fails (as the
     writer makes them fail: the cache was wrong)."""
     history: list[tuple[Any, ...]] = []
-    for part in [*pl.after, pl]:
-        for key in [k for k in sql if k[0] in part.resets]:
-            del sql[key]
+    for part in parts_of(pl):
+        if isinstance(part, RowsPlan):
+            for key in [k for k in sql if k[0] in part.resets]:
+                del sql[key]
         rows, inserts, updates, upserts, deletes = rows_of(part)
         for key in deletes:
             del sql[key]
@@ -110,11 +120,15 @@ def write(sql: Keyed, pl: Plan) -> list[tuple[Any, ...]]:
     return history
 
 
+def parts_of(pl: Plan) -> list[RowsPlan | CompiledPlan]:
+    return pl.parts if isinstance(pl, PartsPlan) else [pl]
+
+
 def node_of(row: tuple[Any, ...]) -> str:
     return row[0]
 
 
-def reference(cache: NodeCache, take: list[p.EventBatch]) -> Plan:
+def reference(cache: NodeCache, take: list[p.EventBatch]) -> RowsPlan:
     planner = Planner(cache.nodes, cache)
     for b in take:
         planner.add(b)
@@ -165,8 +179,8 @@ def test_the_hot_path_writes_what_the_reference_planner_writes(seed):
     stream = perturbed_stream(seed)
     rng = random.Random(seed)
     ref = NodeCache()
-    pipe = EventsPipeline(None, None, None, None, None, native=True)  # only its planning is used here
-    nat = pipe.cache
+    planner = TakePlanner(native=True)
+    nat = planner.cache
     assert isinstance(nat, NativeNodeCache)
     i = takes = mixed = 0
     by: collections.Counter[str] = collections.Counter()
@@ -184,9 +198,9 @@ def test_the_hot_path_writes_what_the_reference_planner_writes(seed):
                 if "n0" in c.nodes:
                     c.nodes["n0"] = replace(c.nodes["n0"], status=STALE)
         want = reference(ref, take)
-        got = asyncio.run(pipe._plan(take, pipe.generation))
+        got = asyncio.run(planner.plan(take, planner.generation))
         assert got is not None
-        parts = got.after or [got]
+        parts = parts_of(got)
         mixed += len(parts) > 1
         by[got.planned_by()] += 1
         want_history = write(sql_ref, want)
@@ -261,7 +275,7 @@ def test_a_plain_take_rows_and_the_store_after_it():
     take = [batch("n", "i", 10, stored(5, 7, big), p.Updated(block_hash=5, cache_level=p.LevelDiff(old=0, new=1)),
                   p.Removed(block_hashes=[7, 9]))]
     pl = plan_fast(c, take)
-    assert pl is not None and pl.native is not None
+    assert isinstance(pl, CompiledPlan)
     t, old = ts(T0), ts(T0 - 10)
     history, inserts, updates, upserts, deletes = rows_of(pl)
     assert history == [

@@ -12,7 +12,6 @@ import pytest
 
 from eventbus import protocol as p
 from state_store.config import plain_dsn
-from state_store.materializer import apply_stats
 from state_store.writer import Writer
 from tests.support import CoreNode, fetch
 
@@ -42,7 +41,7 @@ async def populate(url: str) -> None:
                                  active_requests=k, queued_requests=0, last_event_id=node.core.last_event_id,
                                  counters=p.NodeCounters(prompt_tokens=100 * k, cached_tokens=40 * k))
                      for k in range(5)]
-            await writer.run(lambda conn, s=stats: apply_stats(conn, stats=s))
+            await writer.apply_stats(stats)
     finally:
         await writer.close()
 

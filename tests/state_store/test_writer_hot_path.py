@@ -50,7 +50,7 @@ async def scenario(url: str) -> None:
 
         async def write(*b: p.EventBatch) -> None:
             pl = plan_fast(cache, list(b))
-            assert pl is not None and pl.native is not None
+            assert pl is not None
             expected = cache.expected(["n"])
             cache.apply(pl)
             await writer.apply_planned(pl, expected)
