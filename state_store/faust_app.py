@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import faust
+from faust.exceptions import ConsumerNotStarted
 
 from eventbus.config import Environment, KafkaSecurityProtocol, KafkaSettings, RuntimeSettings
 from state_store.config import DatabaseSettings, MaterializerSettings
@@ -57,6 +58,14 @@ class FaustOutbox:
 
     async def send_control(self, key: bytes, value: bytes) -> None:
         await self.control.send(key=key, value=value)
+
+
+def partitions_assigned(app: faust.App) -> int:
+    """The partitions the worker's consumer has now (0 before it started)."""
+    try:
+        return len(app.consumer.assignment())
+    except ConsumerNotStarted:
+        return 0
 
 
 def _make_app(kafka: KafkaSettings, ms: MaterializerSettings) -> faust.App:
@@ -136,7 +145,8 @@ def build_app(kafka: KafkaSettings | None = None, db: DatabaseSettings | None = 
 
     @app.page("/healthz")
     async def healthz(web: Any, request: Any) -> Any:
-        return web.json(mat.health())
+        health = await mat.health(partitions_assigned(app))
+        return web.json(health.body, status=health.status_code)
 
     @app.page("/metrics")
     async def metrics(web: Any, request: Any) -> Any:

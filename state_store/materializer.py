@@ -16,7 +16,8 @@ Run it with ``kvflow materializer`` (more workers with the same group id share t
   clears the node's blocks); daily partitions of ``block_events`` and retention.
 * PostgreSQL unavailable: the same transaction is retried with backoff, forever; consumption
   waits (faust's buffers fill and fetching pauses).
-* ``/healthz`` and ``/metrics`` (Prometheus).
+* ``/healthz`` (:meth:`Materializer.health`): 200 while the worker has Kafka partitions and the
+  database answers, 503 with the reason otherwise; ``/metrics`` (Prometheus).
 
 What the materializer sends (the DLQ, the control topic) goes through an :class:`Outbox`, so that
 it runs in tests with fakes for the outbox and the writer.
@@ -28,6 +29,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 import state_store.native
@@ -42,6 +44,10 @@ T = TypeVar("T")
 
 #: A bad message too large for the DLQ is kept truncated to this size.
 DLQ_TRUNCATE_BYTES = 512 * 1024
+#: /healthz trusts a database round trip this recent (seconds) without asking the database again.
+HEALTH_FRESH_S = 5.0
+#: Longest /healthz waits for the database to answer ``SELECT 1`` (seconds).
+HEALTH_PING_TIMEOUT_S = 1.0
 
 
 class Outbox(Protocol):
@@ -68,6 +74,7 @@ class StoreWriter(PlanWriter, Protocol):
     async def mark_liveness(self, stale_after_s: float, gone_after_s: float) -> list[str]: ...
     async def run_maintenance(self, retention_days: float) -> None: ...
     async def reset_pool(self) -> None: ...
+    async def ping(self, timeout_s: float = 1.0) -> None: ...
 
 
 class Rejected(NamedTuple):
@@ -76,6 +83,18 @@ class Rejected(NamedTuple):
     message: KafkaMessage
     reason: str
     detail: str
+
+
+@dataclass(frozen=True)
+class Health:
+    """What ``/healthz`` answers."""
+
+    ok: bool
+    body: dict[str, Any]
+
+    @property
+    def status_code(self) -> int:
+        return 200 if self.ok else 503
 
 
 class Materializer:
@@ -94,6 +113,7 @@ class Materializer:
         self.metrics = Metrics()
         self.db_ok = False
         self.last_commit = 0.0
+        self._db_ok_at: float | None = None  # monotonic time of the last database round trip
         native = settings.native and state_store.native.available()
         log.info("planning: %s", "compiled hot path (kvflow_native) and Python" if native else "Python")
         self.pipeline = EventsPipeline(writer, self, native=native, batch_max=settings.batch_max)
@@ -173,7 +193,8 @@ class Materializer:
         for t in p.batch_ts:
             m.freshness.observe(max(0.0, now - t))
         m.last_commit.set(now)
-        self.db_ok, self.last_commit = True, now
+        self.last_commit = now
+        self._database_answered()
         return applied.resync_now
 
     async def ask_for_snapshots(self, nodes: list[str]) -> None:
@@ -231,12 +252,22 @@ class Materializer:
 
     async def retrying(self, fn: Callable[[], Awaitable[T]]) -> T:
         """``fn()``, retried with backoff (forever) while the database is unavailable."""
-        return await with_retry(fn, on_retry=self._on_retry, reconnect=self.writer.reset_pool)
+        result = await with_retry(fn, on_retry=self._on_retry, reconnect=self.writer.reset_pool)
+        self._database_answered()
+        return result
 
     def _on_retry(self, exc: BaseException, delay: float) -> None:
         self.metrics.db_retries.inc()
-        self.db_ok = False
+        self._database_failed()
         log.warning("database unavailable (%s: %s); retrying in ~%.1f s", type(exc).__name__, exc, delay)
+
+    def _database_answered(self) -> None:
+        self.db_ok = True
+        self._db_ok_at = time.monotonic()
+
+    def _database_failed(self) -> None:
+        self.db_ok = False
+        self._db_ok_at = None
 
     async def liveness(self) -> None:
         """Mark silent nodes stale, and long-stale ones gone (their blocks cleared)."""
@@ -244,9 +275,10 @@ class Materializer:
         try:
             gone = await self.writer.mark_liveness(s.stale_after_s, s.gone_after_s)
         except TRANSIENT as exc:
-            self.db_ok = False
+            self._database_failed()
             log.debug("liveness check skipped: %s", exc)
             return
+        self._database_answered()
         for node in gone:
             log.info("node %s is gone: its blocks were cleared", node)
 
@@ -259,10 +291,36 @@ class Materializer:
 
     # ------------------------------------------------------------------ web
 
-    def health(self) -> dict[str, Any]:
-        """``/healthz``: what the worker last saw of the database."""
-        return {"status": "ok", "db_ok": self.db_ok, "last_commit": self.last_commit,
-                "group_id": self.settings.group_id}
+    async def health(self, partitions_assigned: int) -> Health:
+        """``/healthz``: healthy while the worker has Kafka partitions assigned and the database
+        answers (a round trip within :data:`HEALTH_FRESH_S`, or ``SELECT 1`` now).
+
+        Args:
+            partitions_assigned: the partitions the worker's consumer has now (faust:
+                ``len(app.consumer.assignment())``).
+        """
+        reasons: list[str] = []
+        if partitions_assigned <= 0:
+            reasons.append("no Kafka partitions assigned (joining the consumer group, or more workers than "
+                           "partitions)")
+        fresh = self._db_ok_at is not None and time.monotonic() - self._db_ok_at < HEALTH_FRESH_S
+        database_error = None if fresh else await self._ping()
+        if database_error is not None:
+            reasons.append(f"database unreachable ({database_error})")
+        body = {"status": "ok" if not reasons else "unavailable", "db_ok": database_error is None,
+                "last_commit": self.last_commit, "group_id": self.settings.group_id,
+                "partitions_assigned": partitions_assigned, "reason": "; ".join(reasons) or None}
+        return Health(not reasons, body)
+
+    async def _ping(self) -> str | None:
+        """None if the database answers ``SELECT 1`` now, else why not."""
+        try:
+            await self.writer.ping(HEALTH_PING_TIMEOUT_S)
+        except Exception as exc:  # whatever it is, the database did not answer
+            self._database_failed()
+            return f"{type(exc).__name__}: {exc}"[:300]
+        self._database_answered()
+        return None
 
     def metrics_text(self) -> bytes:
         """``/metrics``: Prometheus' text format."""

@@ -152,3 +152,5 @@ MAINTENANCE_LOCK = "SELECT pg_try_advisory_xact_lock(hashtext('kvflow-maintenanc
 # Daily partitions of block_events a week ahead; then drop those older than $1 seconds.
 ENSURE_PARTITIONS = "SELECT kvflow_ensure_block_event_partitions(7)"
 APPLY_RETENTION = "SELECT kvflow_apply_retention(make_interval(secs => $1))"
+# /healthz: the database answers.
+PING = "SELECT 1"

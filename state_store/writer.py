@@ -218,6 +218,20 @@ class Writer:
                 await conn.execute(sql.ENSURE_PARTITIONS)
                 await conn.execute(sql.APPLY_RETENTION, retention_days * 86400.0)
 
+    async def ping(self, timeout_s: float = 1.0) -> None:
+        """``SELECT 1`` within ``timeout_s``, on a connection of its own (the pool's may all be
+        held by a transaction being retried).
+
+        Raises:
+            Exception: the database did not answer (``TimeoutError``, ``OSError``, …).
+        """
+        async with asyncio.timeout(timeout_s):
+            conn = await asyncpg.connect(self.dsn, timeout=timeout_s)
+            try:
+                await conn.fetchval(sql.PING)
+            finally:
+                await conn.close()
+
 
 def _json(counters: Any) -> str:
     return msgspec.json.encode(counters).decode()

@@ -15,6 +15,7 @@ from eventbus.kafka import make_consumer
 from kvflow.stack import free_port
 from tests.support import (
     CoreNode,
+    TcpProxy,
     applied_through,
     fetch,
     history_duplicates,
@@ -248,3 +249,38 @@ def test_the_worker_consumer_fetches_with_the_configured_wait(kafka_settings, mi
     finally:
         thread.thread_loop.close()
 
+
+def test_healthz_answers_503_while_the_database_is_unreachable_and_200_when_it_is_back(
+        kafka_settings, migrated_database_url, tmp_path):
+    from sqlalchemy.engine import make_url
+
+    db = make_url(migrated_database_url)
+    assert db.port is not None
+    proxy = TcpProxy(db.port)  # the worker's only way to PostgreSQL
+    port = free_port()
+    mat = materializer(kafka_settings, db.set(port=proxy.port).render_as_string(hide_password=False), tmp_path,
+                       KVFLOW_MATERIALIZER_WEB_PORT=str(port)).start()
+
+    def health(status: int) -> dict | None:
+        try:
+            r = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5)
+        except httpx.HTTPError:
+            return None
+        return r.json() if r.status_code == status else None
+
+    try:
+        body = wait_for(lambda: health(200), 60, what="a healthy worker")
+        assert body["status"] == "ok" and body["db_ok"] is True and body["reason"] is None
+        assert body["partitions_assigned"] > 0 and body["group_id"].startswith("mat-")
+        proxy.cut()
+        body = wait_for(lambda: health(503), 30, what="503 without the database")
+        assert body["status"] == "unavailable" and body["db_ok"] is False
+        assert body["reason"].startswith("database unreachable"), body
+        assert body["partitions_assigned"] > 0  # Kafka is fine
+        proxy.restore()
+        body = wait_for(lambda: health(200), 30, what="200 with the database back")
+        assert body["db_ok"] is True
+        assert mat.alive(), mat.tail()
+    finally:
+        mat.stop()
+        proxy.close()

@@ -1,7 +1,7 @@
 """The Materializer without faust, Kafka or PostgreSQL: a fake writer and a fake outbox.
 
 What goes to the DLQ and with which headers, key checks, culprit isolation, the metrics of a
-commit, snapshot requests and retries.
+commit, snapshot requests, retries, and what ``/healthz`` answers.
 """
 
 from __future__ import annotations
@@ -66,10 +66,11 @@ class Writer:
         self.resync_now = list(resync_now)
         self.transient: list[BaseException] = []
         self.stale = 0
+        self.ping_error: BaseException | None = None
         self.applied: list[list[str]] = []  # node ids of each slow-path transaction
         self.planned: list[Plan] = []
         self.stats: list[p.NodeStats] = []
-        self.resets = 0
+        self.pings = self.resets = 0
 
     def _fail_transiently(self) -> None:
         if self.transient:
@@ -106,6 +107,11 @@ class Writer:
 
     async def reset_pool(self) -> None:
         self.resets += 1
+
+    async def ping(self, timeout_s: float = 1.0) -> None:
+        self.pings += 1
+        if self.ping_error is not None:
+            raise self.ping_error
 
 
 def batch(node: str, first_id: int = 0, *datas: p.EventData, ts: float | None = None) -> p.EventBatch:
@@ -283,3 +289,40 @@ async def test_heartbeats_are_written_through_a_database_outage_and_bad_ones_go_
     assert w.resets == 2  # a fresh pool after each failure
     assert [h["kvflow-error-reason"] for _, _, h in o.dlq] == [b"invalid"]
 
+
+async def test_health_needs_partitions_and_a_database_that_answers():
+    m, w, _ = make()
+    health = await m.health(partitions_assigned=0)
+    assert health.status_code == 503
+    assert health.body["partitions_assigned"] == 0 and health.body["db_ok"] is True
+    assert "no Kafka partitions" in health.body["reason"]
+    assert w.pings == 1  # nothing had reached the database yet: asked
+
+    health = await m.health(partitions_assigned=6)
+    assert health.status_code == 200
+    assert health.body == {"status": "ok", "db_ok": True, "last_commit": 0.0, "group_id": "g",
+                           "partitions_assigned": 6, "reason": None}
+    assert w.pings == 1  # the last answer is recent: not asked again
+
+    # The database goes away: the next liveness check fails, and /healthz asks it (in vain).
+    w.transient, w.ping_error = [OSError("connection refused")], OSError("connection refused")
+    await m.liveness()
+    assert not m.db_ok
+    health = await m.health(partitions_assigned=6)
+    assert health.status_code == 503
+    assert health.body["status"] == "unavailable" and health.body["db_ok"] is False
+    assert health.body["reason"] == "database unreachable (OSError: connection refused)"
+    assert w.pings == 2
+
+    w.ping_error = None  # it is back
+    health = await m.health(partitions_assigned=6)
+    assert health.status_code == 200 and health.body["db_ok"] is True
+    assert m.db_ok
+
+
+async def test_a_commit_makes_the_database_count_as_reachable_without_asking():
+    m, w, _ = make()
+    w.ping_error = TimeoutError()
+    await m.committed(Applied(plan([batch("n")], {}, {}), []), 0.01)
+    assert (await m.health(partitions_assigned=1)).status_code == 200
+    assert w.pings == 0
