@@ -144,8 +144,8 @@ def create_app(node: Node) -> FastAPI:
                 "last_event_id": core.last_event_id, "pending_events": core.pending_events,
                 "events_published": engine.publisher.events_sent,
             }
-            if core.config.adaptive is not None:
-                out["adaptive"] = core.config.adaptive.describe()
+            if core.adaptive is not None:
+                out["adaptive"] = core.adaptive.describe()
             return out
 
         return await on_engine(collect)

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from eventbus.protocol import DEFAULT_PRIORITY
 
@@ -76,9 +76,10 @@ class _ClassStats:
     gap_sum: float = 0.0
 
 
-@dataclass
+@dataclass(frozen=True)
 class AdaptivePolicy:
-    """Learned, class-based priorities (see the module docstring)."""
+    """The adaptive policy's settings (see the module docstring); what it learns lives in an
+    :class:`AdaptiveLearner`, one per cache."""
 
     junk_probability: float = 0.04
     junk_priority: int = 5
@@ -92,7 +93,7 @@ class AdaptivePolicy:
     decay: float = 0.99
     #: Evicted blocks remembered (digest -> class, idle time at eviction, eviction time), so that a
     #: later miss on one counts as the reuse it would have been. Without them a class that is
-    #: evicted early could never prove its worth. Sized in blocks; 0 = 4 x the cache (set by the core).
+    #: evicted early could never prove its worth. Sized in blocks; 0 = 4 x the cache.
     ghost_capacity: int = 0
     #: A shadow LRU cache of the same size (digests only) measures what plain LRU would have hit;
     #: every ``window`` prompt blocks, protection is strengthened if it beat LRU and weakened if
@@ -101,16 +102,6 @@ class AdaptivePolicy:
     window: int = 2000
     strength_step: float = 0.1
     down_factor: float = 2.0
-    _stats: list[_ClassStats] = field(default_factory=lambda: [_ClassStats() for _ in range(NUM_CLASSES)],
-                                      repr=False)
-    _ghosts: OrderedDict[bytes, tuple[int, float, float]] = field(default_factory=OrderedDict, repr=False)
-    _shadow: OrderedDict[bytes, None] = field(default_factory=OrderedDict, repr=False)
-    _strength: float = field(default=1.0, repr=False)
-    _window_actual: int = field(default=0, repr=False)
-    _window_shadow: int = field(default=0, repr=False)
-    _window_seen: int = field(default=0, repr=False)
-    _ranks: list[tuple[int, float | None]] | None = field(default=None, repr=False)
-    _dirty: int = field(default=0, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("junk_priority", "min_priority", "max_priority"):
@@ -122,17 +113,37 @@ class AdaptivePolicy:
         if not 0 < self.decay <= 1:
             raise ValueError("decay must be within (0, 1]")
 
+
+class AdaptiveLearner:
+    """What the adaptive policy learns on one cache of ``cache_blocks`` blocks (both tiers), and
+    the core's hooks into it. Its state is bounded: per-class counters, the ghosts
+    (``ghost_capacity``) and the shadow LRU (``shadow_capacity``)."""
+
+    def __init__(self, policy: AdaptivePolicy, cache_blocks: int) -> None:
+        self.policy = policy
+        self.ghost_capacity = policy.ghost_capacity or 4 * cache_blocks
+        self.shadow_capacity = policy.shadow_capacity or cache_blocks
+        self._stats = [_ClassStats() for _ in range(NUM_CLASSES)]
+        self._ghosts: OrderedDict[bytes, tuple[int, float, float]] = OrderedDict()
+        self._shadow: OrderedDict[bytes, None] = OrderedDict()
+        self._strength = 1.0
+        self._window_actual = 0
+        self._window_shadow = 0
+        self._window_seen = 0
+        self._ranks: list[tuple[int, float | None]] | None = None
+        self._dirty = 0
+
     # ---------------------------------------------------------------- estimates
 
     def probability(self, cls: int) -> float:
         s = self._stats[cls]
-        w = self.min_samples
-        return (s.reused + w * self.prior_probability) / (s.reused + s.evicted + w)
+        w = self.policy.min_samples
+        return (s.reused + w * self.policy.prior_probability) / (s.reused + s.evicted + w)
 
     def mean_gap_s(self, cls: int) -> float:
         s = self._stats[cls]
-        w = self.min_samples * 0.25
-        return (s.gap_sum + w * self.prior_gap_s) / (s.reused + w)
+        w = self.policy.min_samples * 0.25
+        return (s.gap_sum + w * self.policy.prior_gap_s) / (s.reused + w)
 
     def _table(self) -> list[tuple[int, float | None]]:
         """(priority, duration) per class, recomputed after every 64 observations."""
@@ -142,24 +153,25 @@ class AdaptivePolicy:
         for c in range(NUM_CLASSES):
             p = self.probability(c)
             dens.append((p / max(self.mean_gap_s(c), 1e-3), c, p))
-        useful = sorted((d, c) for d, c, p in dens if p >= self.junk_probability)
-        table: list[tuple[int, float | None]] = [(self.junk_priority, None)] * NUM_CLASSES
+        useful = sorted((d, c) for d, c, p in dens if p >= self.policy.junk_probability)
+        table: list[tuple[int, float | None]] = [(self.policy.junk_priority, None)] * NUM_CLASSES
         s = self._strength
-        lo = DEFAULT_PRIORITY + s * (self.min_priority - DEFAULT_PRIORITY)
-        span = s * (self.max_priority - self.min_priority)
+        lo = DEFAULT_PRIORITY + s * (self.policy.min_priority - DEFAULT_PRIORITY)
+        span = s * (self.policy.max_priority - self.policy.min_priority)
         for rank, (_, c) in enumerate(useful):
             prio = round(lo + (span * rank / (len(useful) - 1) if len(useful) > 1 else span))
-            duration = s * self.duration_factor * self.mean_gap_s(c)
+            duration = s * self.policy.duration_factor * self.mean_gap_s(c)
             table[c] = (prio, duration if prio != DEFAULT_PRIORITY else None)
         self._ranks, self._dirty = table, 0
         return table
 
     def _observe(self, cls: int, reused: bool, gap_s: float = 0.0) -> None:
         s = self._stats[cls]
-        if self.decay < 1.0:
-            s.reused *= self.decay
-            s.evicted *= self.decay
-            s.gap_sum *= self.decay
+        decay = self.policy.decay
+        if decay < 1.0:
+            s.reused *= decay
+            s.evicted *= decay
+            s.gap_sum *= decay
         if reused:
             s.reused += 1
             s.gap_sum += gap_s
@@ -229,11 +241,11 @@ class AdaptivePolicy:
         self._window_actual += matched
         self._window_shadow += shadow_hits
         self._window_seen += len(digests)
-        if self._window_seen >= self.window:
+        if self._window_seen >= self.policy.window:
             if self._window_actual < self._window_shadow:
-                self._strength = max(0.0, self._strength - self.strength_step * self.down_factor)
+                self._strength = max(0.0, self._strength - self.policy.strength_step * self.policy.down_factor)
             elif self._window_actual > self._window_shadow:
-                self._strength = min(1.0, self._strength + self.strength_step)
+                self._strength = min(1.0, self._strength + self.policy.strength_step)
             self._window_actual = self._window_shadow = self._window_seen = 0
             self._ranks = None
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from inference_node.kv.adaptive import AdaptivePolicy, BlockContext
+from inference_node.kv.adaptive import AdaptiveLearner, AdaptivePolicy, BlockContext
 from inference_node.kv.manager import KvCacheConfig, KVCacheManager
 
 from .helpers import BS, prio, prompt, toks
@@ -12,12 +12,15 @@ FRESH_HEAD = BlockContext(index=0, prompt_blocks=10, matched_blocks=0, is_decode
 
 
 def policy(**kw) -> AdaptivePolicy:
-    pol = AdaptivePolicy(ghost_capacity=1000, shadow_capacity=1000, **kw)
-    return pol
+    return AdaptivePolicy(ghost_capacity=1000, shadow_capacity=1000, **kw)
+
+
+def learner(**kw) -> AdaptiveLearner:
+    return AdaptiveLearner(policy(**kw), cache_blocks=250)
 
 
 def test_a_class_that_is_never_reused_becomes_junk_and_a_reused_one_is_protected():
-    pol = policy(min_samples=4)
+    pol = learner(min_samples=4)
     _, _, tail_cls = pol.new_block(FRESH_TAIL)
     _, _, head_cls = pol.new_block(FRESH_HEAD)
     for i in range(200):
@@ -28,23 +31,23 @@ def test_a_class_that_is_never_reused_becomes_junk_and_a_reused_one_is_protected
         pol.on_reuse(head_cls, priority=35, hits=0, gap_s=30.0)
     tail_prio, tail_dur, _ = pol.new_block(FRESH_TAIL)
     head_prio, head_dur, _ = pol.new_block(FRESH_HEAD)
-    assert (tail_prio, tail_dur) == (pol.junk_priority, None)
+    assert (tail_prio, tail_dur) == (pol.policy.junk_priority, None)
     assert head_prio > 35
     assert head_dur is not None and 2 * 25 < head_dur < 2 * 35  # duration_factor x the learned gap
 
 
 def test_a_miss_on_a_recently_evicted_block_counts_as_the_reuse_it_would_have_been():
-    pol = policy()
+    pol = learner()
     _, _, cls = pol.new_block(FRESH_HEAD)
     before = pol.probability(cls)
     pol.on_evict(b"d1", cls, idle_s=10.0, now=100.0)
     pol.on_lookup([b"d1"], matched=0, now=150.0)
     assert pol.probability(cls) > before
-    assert pol.mean_gap_s(cls) < pol.prior_gap_s  # learned gap 10 + 50 s, below the 120 s prior
+    assert pol.mean_gap_s(cls) < pol.policy.prior_gap_s  # learned gap 10 + 50 s, below the 120 s prior
 
 
 def test_protection_backs_off_when_it_does_worse_than_a_shadow_lru():
-    pol = policy(window=10)
+    pol = learner(window=10)
     assert pol.new_block(FRESH_HEAD)[0] > 35
     # The shadow LRU hits a repeated prompt; the real cache (told matched=0) keeps missing.
     for _ in range(50):
@@ -68,10 +71,24 @@ def test_adaptive_never_lowers_a_pinned_block():
 
 
 def test_new_blocks_without_hints_get_the_policys_priorities():
-    pol = policy()
-    mgr = KVCacheManager(KvCacheConfig(num_gpu_blocks=8, block_size=BS, adaptive=pol))
+    mgr = KVCacheManager(KvCacheConfig(num_gpu_blocks=8, block_size=BS, adaptive=policy()))
     p = prompt(toks(0, 10, 20))
     mgr.allocate("a", p)
     stored = mgr.drain_events()[-1].data.blocks
-    expected = [pol.new_block(BlockContext(i, 3, 0, False))[0] for i in range(3)]
+    fresh = AdaptiveLearner(policy(), cache_blocks=8)  # what the cache's learner knew then
+    expected = [fresh.new_block(BlockContext(i, 3, 0, False))[0] for i in range(3)]
     assert [b.priority for b in stored] == expected
+
+
+def test_the_learned_state_is_the_caches_own_and_bounded_by_its_size():
+    config = KvCacheConfig(num_gpu_blocks=8, num_host_blocks=4, block_size=BS, adaptive=AdaptivePolicy())
+    first, second = KVCacheManager(config), KVCacheManager(config)
+    assert first.adaptive is not None and second.adaptive is not None
+    assert first.adaptive is not second.adaptive  # one config, a learner per cache
+    assert (first.adaptive.ghost_capacity, first.adaptive.shadow_capacity) == (4 * 12, 12)
+    for i in range(2):  # a reuse
+        first.allocate(f"r{i}", prompt(toks(0, 10)))
+        first.free(f"r{i}")
+    assert first.adaptive.describe()["classes"]  # it learned ...
+    assert not second.adaptive.describe()["classes"]  # ... alone
+    assert config.adaptive == AdaptivePolicy()  # and the config is untouched (frozen)

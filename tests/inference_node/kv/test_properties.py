@@ -21,7 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from eventbus.hashing import block_digest, block_hash
 from eventbus.protocol import DEFAULT_PRIORITY
 from eventbus.replay import NodeState
-from inference_node.kv.adaptive import AdaptivePolicy, BlockContext
+from inference_node.kv.adaptive import AdaptiveLearner, AdaptivePolicy, BlockContext
 from inference_node.kv.clock import ManualClock
 from inference_node.kv.manager import KvCacheConfig, KVCacheManager, OutOfBlocks
 from inference_node.kv.prompt import Prompt
@@ -64,7 +64,7 @@ class Reference:
     gpu: int
     host: int
     min_offload: int
-    adaptive: AdaptivePolicy | None
+    adaptive: AdaptiveLearner | None
     free_gpu: int = 0
     free_host: int = 0
     tick: int = 0
@@ -244,18 +244,14 @@ class CacheMachine(RuleBasedStateMachine):
     @initialize(gpu=st.integers(3, 10), host=st.sampled_from([0, 0, 2, 5]), min_offload=st.sampled_from([0, 35, 60]),
                 max_events=st.sampled_from([3, 10_000]), adaptive=st.booleans(), part_blocks=st.sampled_from([2, 64]))
     def setup(self, gpu, host, min_offload, max_events, adaptive, part_blocks):
-        # Two instances of the (stateful, deterministic) policy see the same calls.
-        def policy():
-            return AdaptivePolicy(prior_gap_s=2.0, min_samples=2.0, window=8) if adaptive else None
+        # Two learners of the (stateful, deterministic) policy see the same calls.
+        policy = AdaptivePolicy(prior_gap_s=2.0, min_samples=2.0, window=8) if adaptive else None
         self.clock = ManualClock()
         self.core = KVCacheManager(KvCacheConfig(
             num_gpu_blocks=gpu, num_host_blocks=host, block_size=BS, secondary_offload_min_priority=min_offload,
-            max_queued_events=max_events, adaptive=policy(), snapshot_part_blocks=part_blocks), clock=self.clock)
-        ref_policy = policy()
-        if ref_policy is not None:
-            ref_policy.ghost_capacity = 4 * (gpu + host)
-            ref_policy.shadow_capacity = gpu + host
-        self.ref = Reference(gpu, host, min_offload, ref_policy)
+            max_queued_events=max_events, adaptive=policy, snapshot_part_blocks=part_blocks), clock=self.clock)
+        ref_learner = None if policy is None else AdaptiveLearner(policy, gpu + host)
+        self.ref = Reference(gpu, host, min_offload, ref_learner)
         self.replayed = NodeState()
         self.next_id = 0
         self.capacity = gpu
