@@ -206,6 +206,7 @@ class EvictionIndex:
         lst = self._lists[p]
         gpu = self._gpu
         append = run.append
+        n = 0
         while lst:
             b = lst.popitem(last=False)[0]
             if b.ref:  # pinned: it returns to the back when released
@@ -216,6 +217,7 @@ class EvictionIndex:
                 continue
             b.evict_state = NOT_EVICTABLE
             append(b)
+            n += 1
             par = b.parent
             if par is not None:  # _leave(b), inlined
                 par.children -= 1
@@ -223,10 +225,10 @@ class EvictionIndex:
                     par.gpu_children -= 1
                 if par.evict_state == PARKED and self._leave_unparks(par):
                     break
-            if len(run) == k:
+            if n == k:
                 break
-        self.count -= len(run)
-        if not run:  # this priority held only pinned and parked blocks: look further
+        self.count -= n
+        if not n:  # this priority held only pinned and parked blocks: look further
             self._mask = mask & ~(1 << p)
             return self.take(k)
         return run

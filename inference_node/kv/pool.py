@@ -366,9 +366,10 @@ class BlockPool:
                     b.digest = None  # its expiry entries are stale for good
                     append_hash(b.hash)
                     append_slot(b.slot)
+                n = len(run)
                 p = run[0].priority
-                evictions[p] = evictions.get(p, 0) + len(run)
-                k -= len(run)
+                evictions[p] = evictions.get(p, 0) + n
+                k -= n
         finally:
             self._events.removed(hashes, close=True)
 
