@@ -2,7 +2,7 @@
 
 All clients are confluent-kafka (librdkafka) configured from :class:`KafkaSettings`, so
 security settings (SASL/SCRAM, TLS) apply everywhere at once. The materializer's faust app maps
-the same settings onto aiokafka (``state_store.materializer``).
+the same settings onto aiokafka (``state_store.faust_app``).
 """
 
 from __future__ import annotations

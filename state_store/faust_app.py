@@ -1,6 +1,3 @@
-# mypy: disallow-untyped-decorators=False
-# NOTE: faust's timer decorator is untyped (pyproject.toml says the same for state_store.materializer,
-# where this wiring lived before).
 """The faust-streaming worker of the materializer: thin wiring around :class:`~state_store.materializer.Materializer`.
 
 :func:`build_app` makes the faust app: an agent per topic (``kv-events``, ``node-stats``), the

@@ -53,9 +53,10 @@ PARKED: Final = 3
 class Block:
     """One cached (or private) block; see the module docstring for who writes what.
 
-    NOTE: ``BlockPool.store_prompt`` creates blocks inline (``object.__new__`` and every slot
-    set there; ``kvflow bench kv`` measured the ``__init__`` call at ~4 % of ``cost_vs_lru``): a
-    slot added here must be set there too.
+    NOTE: ``BlockPool.store_prompt`` creates blocks inline (``object.__new__`` and every slot set
+    there, without a call to ``__init__`` per block: one of the inlinings that brought
+    ``kvflow bench kv``'s ``cost_vs_lru`` under 2, docs/benchmarks.md): a slot added here must be
+    set there too.
     """
 
     __slots__ = (
