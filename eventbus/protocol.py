@@ -10,13 +10,23 @@ Identifiers (the only place that documents them):
 ``BlockHash``        unsigned 64-bit integer: the first 8 bytes (big-endian) of a block's
                      cryptographic digest (``eventbus.hashing``). What the wire and SQL carry.
 ``SqlBlockHash``     the same 64 bits read as a signed ``bigint`` (PostgreSQL has no unsigned
-                     type): ``to_sql``/``from_sql`` convert; nothing else does.
+                     type). In Python ``to_sql``/``to_sql_list``/``from_sql`` convert; the same
+                     bits are read signed by the compiled hot path (``native/src``: ``u64 as
+                     i64``) and by ``kvflow_prefix_matches`` from the router's packed digest
+                     heads (``eventbus.hashing.prompt_hash_heads``).
 ``BlockDigest``      the full 32-byte BLAKE2b digest: the key of reuse inside a node (never 64
                      bits there, so crafted collisions cannot leak one tenant's KV to another).
 ``NodeId``           a node's stable name (e.g. ``node-a``): the Kafka message key.
 ``InstanceId``       a random id per node process start; ``event_id`` restarts at 0 with it.
 ``EventId``          per instance, increasing by exactly 1; a gap means events were missed.
 ===================  ============================================================================
+
+The wire structs carry these types (``EventBatch.node_id`` is a ``NodeId``, a block hash a
+``BlockHash``), and so do the records that cross module boundaries: the node's publisher and
+engine, the materializer's rows and plans (``state_store.plans``), the router's views and
+matches (``routing_api.scoring``). A string from outside (settings, SQL rows, a URL) becomes one
+where it enters (``NodeId(settings.node_id)``). On the hottest paths a value is not wrapped per
+element (a ``NewType`` call costs a function call); those lines say so with a ``NOTE``.
 
 Decoding is strict (wrong types, unknown fields, out-of-range values and oversized messages are
 refused) and every refusal is a :class:`ProtocolError` with a short machine-readable ``reason``
@@ -64,7 +74,7 @@ EventId = NewType("EventId", int)
 
 # NOTE: msgspec cannot express bounds beyond int64 in Meta; the upper bound of U64 is checked by
 # decode_batch (_check_hashes) at the trust boundary, not on every construction by a producer.
-U64 = Annotated[int, Meta(ge=0, description="Unsigned 64-bit block hash (0 .. 2**64-1).")]
+U64 = Annotated[BlockHash, Meta(ge=0, description="Unsigned 64-bit block hash (0 .. 2**64-1).")]
 NonNegInt = Annotated[int, Meta(ge=0)]
 Priority = Annotated[int, Meta(ge=MIN_PRIORITY, le=MAX_PRIORITY, description="0 (evict first) to 100.")]
 CacheLevel = Annotated[int, Meta(ge=0, le=MAX_CACHE_LEVEL, description="0 = GPU, 1 = host memory.")]
@@ -72,25 +82,27 @@ NumTokens = Annotated[int, Meta(ge=1, le=MAX_BLOCK_TOKENS)]
 WindowSize = Annotated[int, Meta(ge=0, le=MAX_WINDOW_SIZE)]
 TokenId = Annotated[int, Meta(ge=0, le=(1 << 32) - 1)]
 LoraId = Annotated[int, Meta(ge=0, le=(1 << 63) - 1, description="LoRA adapter id; null = base model.")]
-Name = Annotated[str, Meta(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@/-]*$")]
+_NAME = Meta(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@/-]*$")
+NodeName = Annotated[NodeId, _NAME]
+InstanceName = Annotated[InstanceId, _NAME]
 
 
-def to_sql(h: int) -> int:
+def to_sql(h: int) -> SqlBlockHash:
     """A wire ``block_hash`` (unsigned 64-bit) as PostgreSQL ``bigint`` (the same bits, signed)."""
-    return h - (1 << 64) if h >= (1 << 63) else h
+    return SqlBlockHash(h - (1 << 64) if h >= (1 << 63) else h)
 
 
-def to_sql_list(hashes: Iterable[int]) -> list[int]:
+def to_sql_list(hashes: Iterable[int]) -> list[SqlBlockHash]:
     """:func:`to_sql` of many hashes in one call (the materializer converts an event's hashes at once).
 
     NOTE: the arithmetic of :func:`to_sql` in one comprehension, not a call per hash: the
     materializer's planner converts hundreds of thousands of hashes a second."""
-    return [h - (1 << 64) if h >= (1 << 63) else h for h in hashes]
+    return [h - (1 << 64) if h >= (1 << 63) else h for h in hashes]  # type: ignore[misc]
 
 
-def from_sql(v: int) -> int:
+def from_sql(v: int) -> BlockHash:
     """The inverse of :func:`to_sql`."""
-    return v + (1 << 64) if v < 0 else v
+    return BlockHash(v + (1 << 64) if v < 0 else v)
 
 
 class EventKind(enum.StrEnum):
@@ -187,7 +199,7 @@ EventData = Created | Stored | Removed | Updated | Snapshot
 
 
 class Event(_Strict):
-    event_id: Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
+    event_id: Annotated[EventId, Meta(ge=0, le=(1 << 63) - 1)]
     window_size: WindowSize
     data: EventData
 
@@ -196,8 +208,8 @@ class EventBatch(_Strict):
     """One Kafka message on ``kv-events``, keyed by ``node_id``; events in ``event_id`` order."""
 
     schema_version: Literal[1]
-    node_id: Name
-    instance_id: Name
+    node_id: NodeName
+    instance_id: InstanceName
     ts: Annotated[float, Meta(ge=0, description="Unix time (seconds) the node published the batch.")]
     events: Annotated[list[Event], Meta(min_length=1, max_length=MAX_EVENTS_PER_BATCH)]
 
@@ -220,8 +232,8 @@ class NodeStats(_Strict):
     """Heartbeat on ``node-stats`` every ≤ 2 s, keyed by ``node_id``."""
 
     schema_version: Literal[1]
-    node_id: Name
-    instance_id: Name
+    node_id: NodeName
+    instance_id: InstanceName
     url: Annotated[str, Meta(max_length=2048)]
     model: Annotated[str, Meta(max_length=512)]
     block_size: Annotated[int, Meta(ge=1, le=MAX_BLOCK_TOKENS)]
@@ -239,7 +251,7 @@ class ControlCommand(_Strict):
     """A command to one node on ``kv-control`` (keyed by the target node): ask for a snapshot."""
 
     schema_version: Literal[1]
-    node_id: Name
+    node_id: NodeName
     command: Literal["resync"]
     reason: Annotated[str, Meta(max_length=512)] = ""
     ts: Annotated[float, Meta(ge=0)] = 0.0

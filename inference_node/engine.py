@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from eventbus.protocol import NodeCounters, NodeStats
+from eventbus.protocol import InstanceId, NodeCounters, NodeId, NodeStats
 from eventbus.tokenizers import Tokenizer
 from inference_node.kv.manager import GPU, BlockCopy, KVCacheManager, OutOfBlocks
 from inference_node.kv.prompt import Prompt
@@ -122,7 +122,7 @@ class Engine:
     """Runs requests on one model and one KV cache (see the module docstring)."""
 
     def __init__(self, *, model: LlamaModel, tokenizer: Tokenizer, core: KVCacheManager, gpu_pool: KVPool,
-                 host_pool: KVPool | None, publisher: Publisher, node_id: str, instance_id: str,
+                 host_pool: KVPool | None, publisher: Publisher, node_id: NodeId, instance_id: InstanceId,
                  url: str, model_name: str, max_running: int = 32, heartbeat_s: float = 1.0,
                  control: ControlListener | None = None) -> None:
         self.model = model

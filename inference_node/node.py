@@ -12,6 +12,7 @@ from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from eventbus.config import KafkaSettings
+from eventbus.protocol import InstanceId, NodeId
 from eventbus.tokenizers import Tokenizer, load_tokenizer
 from inference_node.engine import Engine
 from inference_node.kv.adaptive import AdaptivePolicy
@@ -35,7 +36,7 @@ class NodeSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="KVFLOW_NODE_", extra="ignore", protected_namespaces=())
 
-    node_id: str = Field(default="node-a", description="Stable node name (the Kafka key).")
+    node_id: NodeId = Field(default=NodeId("node-a"), description="Stable node name (the Kafka key).")
     host: str = Field(default="127.0.0.1", description="Bind address of the HTTP API.")
     port: int = Field(default=8101, description="Port of the HTTP API.")
     advertise_url: str | None = Field(default=None, description="URL the router uses (default http://host:port).")
@@ -63,7 +64,7 @@ class NodeSettings(BaseSettings):
 @dataclass
 class Node:
     settings: NodeSettings
-    instance_id: str
+    instance_id: InstanceId
     url: str
     device: torch.device
     model: LlamaModel
@@ -98,7 +99,7 @@ def build_node(s: NodeSettings, kafka: KafkaSettings | None = None, *, sink: Sin
     tokenizer = load_tokenizer(s.model_dir)
     if tokenizer.vocab_size > model.cfg.vocab_size:
         raise ValueError(f"tokenizer vocabulary ({tokenizer.vocab_size}) exceeds the model's ({model.cfg.vocab_size})")
-    instance_id = uuid.uuid4().hex
+    instance_id = InstanceId(uuid.uuid4().hex)
     url = s.advertise_url or f"http://{s.host}:{s.port}"
     core = KVCacheManager(KvCacheConfig(
         num_gpu_blocks=s.num_blocks, num_host_blocks=s.host_blocks, block_size=s.block_size,

@@ -29,6 +29,8 @@ from eventbus.protocol import (
     ControlCommand,
     Event,
     EventBatch,
+    InstanceId,
+    NodeId,
     NodeStats,
     ProtocolError,
     Removed,
@@ -116,7 +118,7 @@ class InMemorySink:
 class KafkaSink:
     """An idempotent producer to ``kv-events`` and ``node-stats``."""
 
-    def __init__(self, settings: KafkaSettings, node_id: str, **overrides: Any) -> None:
+    def __init__(self, settings: KafkaSettings, node_id: NodeId, **overrides: Any) -> None:
         from eventbus.kafka import make_producer
 
         self.settings = settings
@@ -177,7 +179,7 @@ class KafkaSink:
 class Publisher:
     """Drains one core into batches for one sink (call :meth:`pump` from the core's thread)."""
 
-    def __init__(self, core: KVCacheManager, sink: Sink, node_id: str, instance_id: str, *,
+    def __init__(self, core: KVCacheManager, sink: Sink, node_id: NodeId, instance_id: InstanceId, *,
                  max_events_per_batch: int = 2000, max_in_flight: int = 1000,
                  max_batch_bytes: int = PUBLISH_BATCH_BYTES, clock: Callable[[], float] = time.time) -> None:
         self.core = core
@@ -245,7 +247,7 @@ class ControlListener:
     It does not touch the core: it sets a flag that the core's owner checks (``take_resync``).
     """
 
-    def __init__(self, settings: KafkaSettings, node_id: str, instance_id: str) -> None:
+    def __init__(self, settings: KafkaSettings, node_id: NodeId, instance_id: InstanceId) -> None:
         from eventbus.kafka import make_consumer
 
         self.node_id = node_id

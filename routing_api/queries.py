@@ -12,7 +12,7 @@ from typing import Any
 
 import asyncpg
 
-from eventbus.protocol import DEFAULT_PRIORITY
+from eventbus.protocol import DEFAULT_PRIORITY, NodeId
 from routing_api.scoring import PrefixMatch
 from state_store.config import plain_dsn
 
@@ -134,7 +134,7 @@ class StateReader:
                 self._nodes_at = time.monotonic()
         return self._nodes
 
-    async def prefix_matches(self, hashes: bytes | Sequence[int]) -> dict[str, PrefixMatch]:
+    async def prefix_matches(self, hashes: bytes | Sequence[int]) -> dict[NodeId, PrefixMatch]:
         """Each node's contiguous cached prefix of the prompt (one round trip).
 
         ``hashes``: the prompt's hashes packed (``prompt_hash_heads``), or as SQL ``bigint``s."""
@@ -145,7 +145,7 @@ class StateReader:
         return {r[0]: PrefixMatch(gpu=r[2], host=r[1] - r[2], leaf_low=r[3] < DEFAULT_PRIORITY)
                 for r in await self._hot.fetch(PREFIX_MATCHES, hashes)}
 
-    async def cache_by_priority(self, node_id: str) -> list[dict[str, Any]]:
+    async def cache_by_priority(self, node_id: NodeId) -> list[dict[str, Any]]:
         """One node's cached blocks and tokens per (cache level, priority): GPU first, high priority first.
 
         Returns:

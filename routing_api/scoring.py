@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from eventbus.protocol import DEFAULT_PRIORITY
+from eventbus.protocol import DEFAULT_PRIORITY, NodeId
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ DEFAULT_WEIGHTS = RoutingWeights()
 
 @dataclass(frozen=True)
 class NodeView:
-    node_id: str
+    node_id: NodeId
     url: str
     status: str
     capacity_gpu: int
@@ -69,7 +69,7 @@ class NodeView:
 
 @dataclass
 class Candidate:
-    node_id: str
+    node_id: NodeId
     url: str
     status: str
     eligible: bool
@@ -141,7 +141,7 @@ class InflightCount(Protocol):
     blocks: int
 
 
-def overlay(views: Sequence[NodeView], suspect_until: Mapping[str, float], inflight: Mapping[str, InflightCount],
+def overlay(views: Sequence[NodeView], suspect_until: Mapping[NodeId, float], inflight: Mapping[NodeId, InflightCount],
             now: float) -> list[NodeView]:
     """The nodes' views with the router's own state laid over them.
 
@@ -171,7 +171,7 @@ def overlay(views: Sequence[NodeView], suspect_until: Mapping[str, float], infli
     return out
 
 
-def decide(total: int, nodes: Sequence[NodeView], matches: Mapping[str, PrefixMatch], w: RoutingWeights,
+def decide(total: int, nodes: Sequence[NodeView], matches: Mapping[NodeId, PrefixMatch], w: RoutingWeights,
            rng: random.Random | None = None) -> Decision:
     """Choose a node for a prompt of ``total`` full blocks, given each node's cached prefix of it."""
     cands: list[Candidate] = []

@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from eventbus.protocol import NodeId
 from eventbus.tokenizers import Tokenizer, load_tokenizer
 from routing_api.config import ApiKey, RouterSettings
 from routing_api.fleet import FleetView, fleet_view
@@ -97,8 +98,8 @@ class RouterState:
     client: httpx.AsyncClient
     metrics: Metrics = field(default_factory=Metrics)
     fleet: FleetCache = field(default_factory=lambda: FleetCache(None))
-    inflight: dict[str, Inflight] = field(default_factory=lambda: collections.defaultdict(Inflight))
-    suspect_until: dict[str, float] = field(default_factory=dict)
+    inflight: dict[NodeId, Inflight] = field(default_factory=lambda: collections.defaultdict(Inflight))
+    suspect_until: dict[NodeId, float] = field(default_factory=dict)
     recent: collections.deque[dict[str, Any]] = field(default_factory=collections.deque)
     decisions: int = 0
     proxied: int = 0
@@ -142,7 +143,7 @@ class RouterState:
                                 "prompt_tokens": prompt_tokens, "matched_tokens": matched_tokens,
                                 "reason": decision.reason})
 
-    def start_proxy(self, node: str, blocks: int) -> Callable[[str], None]:
+    def start_proxy(self, node: NodeId, blocks: int) -> Callable[[str], None]:
         """Count a request proxied to ``node`` with ``blocks`` prompt blocks as in flight.
 
         Returns:
@@ -167,11 +168,11 @@ class RouterState:
 
         return done
 
-    def router_inflight(self, node_id: str) -> int:
+    def router_inflight(self, node_id: NodeId) -> int:
         """How many requests this process has proxied to the node and not seen finish."""
         inf = self.inflight.get(node_id)
         return inf.requests if inf is not None else 0
 
-    def is_suspect(self, node_id: str) -> bool:
+    def is_suspect(self, node_id: NodeId) -> bool:
         """Whether the node failed a proxied request less than ``suspect_s`` ago."""
         return self.suspect_until.get(node_id, 0) > time.monotonic()

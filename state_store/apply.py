@@ -34,8 +34,11 @@ from eventbus.protocol import (
     Created,
     Event,
     EventBatch,
+    InstanceId,
+    NodeId,
     Removed,
     Snapshot,
+    SqlBlockHash,
     Stored,
     Updated,
     to_sql,
@@ -46,8 +49,10 @@ from state_store.plans import (
     LIVE,
     RESYNCING,
     STALE,
+    BlockKey,
     BlockRow,
     CompiledPlan,
+    Expected,
     HistoryRow,
     NodeRow,
     RowsPlan,
@@ -58,10 +63,10 @@ def ts(seconds: float) -> datetime:
     return datetime.fromtimestamp(seconds, tz=UTC)
 
 
-def blocks_to_look_up(batches: Iterable[EventBatch]) -> set[tuple[str, int]]:
+def blocks_to_look_up(batches: Iterable[EventBatch]) -> set[BlockKey]:
     """(node_id, sql hash) of every block the batches remove or update: their old values may be
     needed from ``node_blocks``."""
-    out: set[tuple[str, int]] = set()
+    out: set[BlockKey] = set()
     for b in batches:
         node = b.node_id
         for ev in b.events:
@@ -85,16 +90,16 @@ class NodeCache:
     """
 
     def __init__(self) -> None:
-        self.nodes: dict[str, NodeRow] = {}
-        self.blocks: dict[str, dict[int, BlockRow]] = {}
+        self.nodes: dict[NodeId, NodeRow] = {}
+        self.blocks: dict[NodeId, dict[SqlBlockHash, BlockRow]] = {}
 
-    def get(self, key: tuple[str, int], /) -> BlockRow | None:
+    def get(self, key: BlockKey, /) -> BlockRow | None:
         return self.blocks[key[0]].get(key[1])
 
-    def missing(self, node_ids: Iterable[str]) -> list[str]:
+    def missing(self, node_ids: Iterable[NodeId]) -> list[NodeId]:
         return sorted(n for n in node_ids if n not in self.blocks)
 
-    def load(self, nodes: Iterable[NodeRow], blocks: Iterable[BlockRow], node_ids: Iterable[str]) -> None:
+    def load(self, nodes: Iterable[NodeRow], blocks: Iterable[BlockRow], node_ids: Iterable[NodeId]) -> None:
         for n in node_ids:
             self.blocks[n] = {}
             self.nodes.pop(n, None)
@@ -120,7 +125,7 @@ class NodeCache:
         for (node, h), row in p.upserts.items():
             self.blocks[node][h] = row
 
-    def expected(self, node_ids: Iterable[str]) -> dict[str, tuple[str, int] | None]:
+    def expected(self, node_ids: Iterable[NodeId]) -> Expected:
         """Where the database must be for a plan made from this cache to apply."""
         return {n: (r.instance_id, r.last_event_id) if (r := self.nodes.get(n)) else None for n in node_ids}
 
@@ -134,22 +139,22 @@ class _NodeView:
 
     __slots__ = ("before", "changed", "known", "node_id", "reset")
 
-    def __init__(self, node_id: str, known: KnownBlocks) -> None:
+    def __init__(self, node_id: NodeId, known: KnownBlocks) -> None:
         self.node_id = node_id
         self.known = known
-        self.changed: dict[int, BlockRow | None] = {}  # None: deleted in this run
+        self.changed: dict[SqlBlockHash, BlockRow | None] = {}  # None: deleted in this run
         self.reset = False
         #: the view as it was before the last clear, while the parts of a snapshot still come
-        self.before: tuple[dict[int, BlockRow | None], bool] | None = None
+        self.before: tuple[dict[SqlBlockHash, BlockRow | None], bool] | None = None
 
-    def get(self, h: int) -> BlockRow | None:
+    def get(self, h: SqlBlockHash) -> BlockRow | None:
         if h in self.changed:
             return self.changed[h]
         if self.reset:
             return None
         return self.known.get((self.node_id, h))
 
-    def get_before(self, h: int) -> BlockRow | None:
+    def get_before(self, h: SqlBlockHash) -> BlockRow | None:
         if self.before is None:
             return None
         changed, reset = self.before
@@ -166,7 +171,7 @@ class _NodeView:
 class KnownBlocks(Protocol):
     """Current ``node_blocks`` rows by (node_id, sql hash): a dict, or the materializer's cache."""
 
-    def get(self, key: tuple[str, int], /) -> BlockRow | None: ...
+    def get(self, key: BlockKey, /) -> BlockRow | None: ...
 
 
 class Planner:
@@ -177,12 +182,12 @@ class Planner:
     one method per event kind, each with its per-block loop inline (tuples built inline, hashes
     converted once per event, ``to_sql_list``)."""
 
-    def __init__(self, nodes: Mapping[str, NodeRow], known: KnownBlocks) -> None:
+    def __init__(self, nodes: Mapping[NodeId, NodeRow], known: KnownBlocks) -> None:
         self.nodes = nodes
         self.known = known
         self.out = RowsPlan()
-        self.views: dict[str, _NodeView] = {}
-        self.state: dict[str, NodeRow | None] = {}
+        self.views: dict[NodeId, _NodeView] = {}
+        self.state: dict[NodeId, NodeRow | None] = {}
 
     def add(self, batch: EventBatch) -> None:
         """Plan one batch (after the ones added before it)."""
@@ -252,16 +257,16 @@ class Planner:
             status = self._resync(row.node_id)
         return status
 
-    def _resync(self, node: str) -> str:
+    def _resync(self, node: NodeId) -> str:
         self.out.resync.add(node)
         return RESYNCING
 
-    def _anomaly(self, node: str) -> str:
+    def _anomaly(self, node: NodeId) -> str:
         """An event that contradicts the stored state: treated like a gap."""
         self.out.counts.anomalies += 1
         return self._resync(node)
 
-    def _stored(self, view: _NodeView, instance: str, ev: Event, d: Stored, status: str,
+    def _stored(self, view: _NodeView, instance: InstanceId, ev: Event, d: Stored, status: str,
                 batch_ts: datetime) -> str:
         node, eid, window = view.node_id, ev.event_id, ev.window_size
         applying = status != RESYNCING
@@ -283,7 +288,7 @@ class Planner:
             parent = h
         return status
 
-    def _removed(self, view: _NodeView, instance: str, ev: Event, d: Removed, status: str,
+    def _removed(self, view: _NodeView, instance: InstanceId, ev: Event, d: Removed, status: str,
                  batch_ts: datetime) -> str:
         node, eid = view.node_id, ev.event_id
         applying = status != RESYNCING
@@ -303,7 +308,7 @@ class Planner:
                             None, batch_ts))
         return status
 
-    def _updated(self, view: _NodeView, instance: str, ev: Event, d: Updated, status: str,
+    def _updated(self, view: _NodeView, instance: InstanceId, ev: Event, d: Updated, status: str,
                  batch_ts: datetime) -> str:
         h = to_sql(d.block_hash)
         cur = view.get(h) if status != RESYNCING else None
@@ -382,7 +387,7 @@ class Planner:
         return out
 
 
-def plan(batches: Sequence[EventBatch], nodes: Mapping[str, NodeRow], known: KnownBlocks) -> RowsPlan:
+def plan(batches: Sequence[EventBatch], nodes: Mapping[NodeId, NodeRow], known: KnownBlocks) -> RowsPlan:
     """The writes of one transaction for ``batches`` (see the module docstring).
 
     Args:

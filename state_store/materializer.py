@@ -33,7 +33,16 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 import state_store.native
-from eventbus.protocol import ControlCommand, EventBatch, NodeStats, ProtocolError, decode_batch, decode_stats, encode
+from eventbus.protocol import (
+    ControlCommand,
+    EventBatch,
+    NodeId,
+    NodeStats,
+    ProtocolError,
+    decode_batch,
+    decode_stats,
+    encode,
+)
 from state_store.config import MaterializerSettings
 from state_store.metrics import Metrics
 from state_store.pipeline import Ack, Decoded, EventsPipeline, KafkaMessage, PlanWriter, StreamEvent
@@ -71,7 +80,7 @@ class StoreWriter(PlanWriter, Protocol):
 
     async def apply(self, batches: Sequence[EventBatch]) -> Applied: ...
     async def apply_stats(self, stats: Sequence[NodeStats]) -> None: ...
-    async def mark_liveness(self, stale_after_s: float, gone_after_s: float) -> list[str]: ...
+    async def mark_liveness(self, stale_after_s: float, gone_after_s: float) -> list[NodeId]: ...
     async def run_maintenance(self, retention_days: float) -> None: ...
     async def reset_pool(self) -> None: ...
     async def ping(self, timeout_s: float = 1.0) -> None: ...
@@ -175,7 +184,7 @@ class Materializer:
         """A take's transaction committed: its metrics, then the snapshots it calls for."""
         await self.ask_for_snapshots(self.record(applied, seconds))
 
-    def record(self, applied: Applied, seconds: float) -> list[str]:
+    def record(self, applied: Applied, seconds: float) -> list[NodeId]:
         """Metrics of a committed transaction; returns the nodes to ask for a snapshot now."""
         m = self.metrics
         m.txn_seconds.observe(seconds)
@@ -197,7 +206,7 @@ class Materializer:
         self._database_answered()
         return applied.resync_now
 
-    async def ask_for_snapshots(self, nodes: list[str]) -> None:
+    async def ask_for_snapshots(self, nodes: Sequence[NodeId]) -> None:
         """A ``resync`` command to each node on the control topic."""
         for node in nodes:
             self.metrics.resyncs.inc()

@@ -25,10 +25,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from eventbus.protocol import EventBatch, Removed, Stored, Updated
+from eventbus.protocol import EventBatch, NodeId, Removed, SqlBlockHash, Stored, Updated
 from state_store.apply import NodeCache, ts
 from state_store.pgtime import from_pg_micros, pg_micros
-from state_store.plans import LIVE, STALE, BlockRow, CompiledPlan, Counts, NativeWrites, NodeRow, RowsPlan
+from state_store.plans import LIVE, STALE, BlockKey, BlockRow, CompiledPlan, Counts, NativeWrites, NodeRow, RowsPlan
 
 try:
     import kvflow_native
@@ -49,18 +49,18 @@ class NativeNodeCache(NodeCache):
         super().__init__()
         self.store: Any = kvflow_native.BlockStore(Stored, Removed, Updated)
 
-    def get(self, key: tuple[str, int], /) -> BlockRow | None:
+    def get(self, key: BlockKey, /) -> BlockRow | None:
         r = self.store.get(key[0], key[1])
         if r is None:
             return None
         return BlockRow(key[0], key[1], r[0], r[1], r[2], r[3], r[4], r[5], from_pg_micros(r[6]),
                         from_pg_micros(r[7]))
 
-    def missing(self, node_ids: Iterable[str]) -> list[str]:
+    def missing(self, node_ids: Iterable[NodeId]) -> list[NodeId]:
         return sorted(n for n in node_ids if not self.store.loaded(n))
 
-    def load(self, nodes: Iterable[NodeRow], blocks: Iterable[BlockRow], node_ids: Iterable[str]) -> None:
-        rows: dict[str, list[tuple[Any, ...]]] = {}
+    def load(self, nodes: Iterable[NodeRow], blocks: Iterable[BlockRow], node_ids: Iterable[NodeId]) -> None:
+        rows: dict[NodeId, list[tuple[Any, ...]]] = {}
         for n in node_ids:
             rows[n] = []
             self.nodes.pop(n, None)
@@ -85,7 +85,7 @@ class NativeNodeCache(NodeCache):
         super().clear()
         self.store.clear()
 
-    def blocks_of(self, node: str) -> dict[int, BlockRow]:
+    def blocks_of(self, node: NodeId) -> dict[SqlBlockHash, BlockRow]:
         """A node's cached blocks (tests, diagnostics)."""
         return {h: b for h, _ in self.store.blocks(node) if (b := self.get((node, h))) is not None}
 
@@ -103,7 +103,7 @@ class FastPlanner:
     def __init__(self, cache: NativeNodeCache) -> None:
         self.cache = cache
         self.store = cache.store
-        self.rows: dict[str, NodeRow] = {}
+        self.rows: dict[NodeId, NodeRow] = {}
         self.counts = Counts()
         self.batch_ts: list[float] = []
         self.store.begin()

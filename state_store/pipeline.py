@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 import state_store.native
-from eventbus.protocol import Created, EventBatch, Snapshot
+from eventbus.protocol import Created, EventBatch, NodeId, Snapshot
 from state_store.apply import NodeCache, Planner
-from state_store.plans import BlockRow, CompiledPlan, NodeRow, PartsPlan, Plan, RowsPlan
+from state_store.plans import BlockRow, CompiledPlan, Expected, NodeRow, PartsPlan, Plan, RowsPlan
 from state_store.writer import Applied, StaleCache
 
 log = logging.getLogger("kvflow.materializer")
@@ -61,8 +61,8 @@ Ack = Callable[[StreamEvent], Awaitable[object]]
 class PlanWriter(Protocol):
     """The database side the pipeline uses (:class:`state_store.writer.Writer`)."""
 
-    async def load(self, node_ids: Sequence[str]) -> tuple[list[NodeRow], list[BlockRow]]: ...
-    async def apply_planned(self, p: Plan, expected: dict[str, tuple[str, int] | None]) -> Applied: ...
+    async def load(self, node_ids: Sequence[NodeId]) -> tuple[list[NodeRow], list[BlockRow]]: ...
+    async def apply_planned(self, p: Plan, expected: Expected) -> Applied: ...
 
 
 class PipelineHooks(Protocol):
@@ -123,7 +123,7 @@ class TakePlanner:
         parts: list[RowsPlan | CompiledPlan] = []
         if head and (part := await self._plan_python(head, gen)) is not None:
             parts.append(part)
-        excluded: set[str] = set()
+        excluded: set[NodeId] = set()
         while tail and gen == self.generation:
             fast = cache.fast_planner()
             for i, b in enumerate(tail):
@@ -168,7 +168,7 @@ class _Item:
     items: list[Decoded]
     events: list[StreamEvent]  # to acknowledge once committed
     plan: Plan | None
-    expected: dict[str, tuple[str, int] | None]
+    expected: Expected
     generation: int
 
 
@@ -268,7 +268,7 @@ class EventsPipeline:
         planner = self.planner
         gen = planner.generation
         p: Plan | None = None
-        expected: dict[str, tuple[str, int] | None] = {}
+        expected: Expected = {}
         if items:
             batches = [b for _, b in items]
             node_ids = {b.node_id for b in batches}

@@ -19,6 +19,14 @@ from dataclasses import dataclass, field, fields
 from datetime import datetime
 from typing import NamedTuple
 
+from eventbus.protocol import InstanceId, NodeId, SqlBlockHash
+
+#: A ``node_blocks`` row's key.
+BlockKey = tuple[NodeId, SqlBlockHash]
+#: Where a node's row must be for a plan made from a cache to apply: (instance_id, last_event_id),
+#: None for no row.
+Expected = dict[NodeId, tuple[InstanceId, int] | None]
+
 #: ``nodes.status`` values.
 LIVE, STALE, RESYNCING, GONE = "live", "stale", "resyncing", "gone"
 
@@ -27,8 +35,8 @@ LIVE, STALE, RESYNCING, GONE = "live", "stale", "resyncing", "gone"
 class NodeRow:
     """The replication state of one node (the ``nodes`` columns the materializer owns)."""
 
-    node_id: str
-    instance_id: str
+    node_id: NodeId
+    instance_id: InstanceId
     last_event_id: int = -1
     status: str = LIVE
     instance_started_at: datetime | None = None
@@ -43,9 +51,9 @@ class BlockRow(NamedTuple):
     The field order is that of ``sql.UPSERT_BLOCKS``'s parameters (the writer zips rows into
     columns); keep the two in step."""
 
-    node_id: str
-    block_hash: int
-    parent_hash: int | None
+    node_id: NodeId
+    block_hash: SqlBlockHash
+    parent_hash: SqlBlockHash | None
     cache_level: int
     priority: int
     num_tokens: int
@@ -106,9 +114,9 @@ class PlanBase:
     """What every kind of plan says about its take."""
 
     #: each node's row after the take (``nodes``)
-    nodes: dict[str, NodeRow] = field(default_factory=dict)
+    nodes: dict[NodeId, NodeRow] = field(default_factory=dict)
     #: nodes that need a snapshot (a gap, or events that contradict the stored state)
-    resync: set[str] = field(default_factory=set)
+    resync: set[NodeId] = field(default_factory=set)
     #: the timestamp of every batch applied (freshness)
     batch_ts: list[float] = field(default_factory=list)
     counts: Counts = field(default_factory=Counts)
@@ -121,10 +129,10 @@ class RowsPlan(PlanBase):
     #: ``block_events`` rows, in ``HISTORY_COLUMNS`` order
     history: list[HistoryRow] = field(default_factory=list)
     #: nodes whose ``node_blocks`` rows are all deleted first
-    resets: set[str] = field(default_factory=set)
+    resets: set[NodeId] = field(default_factory=set)
     #: the net change of ``node_blocks``: rows to insert or update, keys to delete
-    upserts: dict[tuple[str, int], BlockRow] = field(default_factory=dict)
-    deletes: set[tuple[str, int]] = field(default_factory=set)
+    upserts: dict[BlockKey, BlockRow] = field(default_factory=dict)
+    deletes: set[BlockKey] = field(default_factory=set)
 
     def planned_by(self) -> str:
         """The ``planner`` label of ``kvflow_materializer_takes_total``."""
@@ -158,7 +166,7 @@ class PartsPlan(PlanBase):
         # NOTE: one compiled part at most: its staging tables are emptied only at commit.
         assert sum(isinstance(part, CompiledPlan) for part in parts) <= 1
         out = PartsPlan(parts=parts)
-        resync: set[str] = set()
+        resync: set[NodeId] = set()
         for part in parts:
             out.batch_ts += part.batch_ts
             resync |= part.resync

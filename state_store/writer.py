@@ -22,15 +22,17 @@ from typing import Any, TypeVar
 import asyncpg
 import msgspec
 
-from eventbus.protocol import EventBatch, NodeStats
+from eventbus.protocol import EventBatch, NodeId, NodeStats
 from state_store import sql
 from state_store.apply import blocks_to_look_up, plan
 from state_store.config import plain_dsn
 from state_store.pgtime import from_pg_micros, pg_micros
 from state_store.plans import (
     HISTORY_COLUMNS,
+    BlockKey,
     BlockRow,
     CompiledPlan,
+    Expected,
     NativeWrites,
     NodeRow,
     PartsPlan,
@@ -64,7 +66,7 @@ class Applied:
     cooldown each)."""
 
     plan: Plan
-    resync_now: list[str]
+    resync_now: list[NodeId]
 
 
 class StaleCache(Exception):
@@ -128,7 +130,7 @@ class Writer:
                 if row.instance_id == "":  # a placeholder inserted just now
                     nodes.pop(n)
             keys = blocks_to_look_up(batches)
-            known: dict[tuple[str, int], BlockRow] = {}
+            known: dict[BlockKey, BlockRow] = {}
             if keys:
                 kn, kh = zip(*keys, strict=True)
                 for r in await conn.fetch(sql.SELECT_BLOCKS, list(kn), list(kh)):
@@ -136,7 +138,7 @@ class Writer:
             p = plan(batches, nodes, known)
             return await self._write(conn, p)
 
-    async def load(self, node_ids: Sequence[str]) -> tuple[list[NodeRow], list[BlockRow]]:
+    async def load(self, node_ids: Sequence[NodeId]) -> tuple[list[NodeRow], list[BlockRow]]:
         """The complete state of some nodes, for a worker's NodeCache."""
         pool = await self.pool()
         async with pool.acquire() as conn, conn.transaction(isolation="repeatable_read", readonly=True):
@@ -144,7 +146,7 @@ class Writer:
             blocks = [BlockRow(*r) for r in await conn.fetch(sql.SELECT_NODE_BLOCKS, node_ids)]
         return nodes, blocks
 
-    async def apply_planned(self, p: Plan, expected: dict[str, tuple[str, int] | None]) -> Applied:
+    async def apply_planned(self, p: Plan, expected: Expected) -> Applied:
         """Write a plan made from a NodeCache, after checking under lock that the database is where
         the cache was (``expected``: node -> (instance_id, last_event_id), None: no row).
 
@@ -167,9 +169,9 @@ class Writer:
 
     async def _write(self, conn: asyncpg.Connection, p: Plan) -> Applied:
         await write(conn, p)
-        resync_now: list[str] = []
+        resync_now: list[NodeId] = []
         if p.resync:  # ask each node at most once per cooldown
-            resync_now = [r["node_id"] for r in await conn.fetch(sql.MARK_RESYNC, sorted(p.resync),
+            resync_now = [NodeId(r["node_id"]) for r in await conn.fetch(sql.MARK_RESYNC, sorted(p.resync),
                                                                  self.resync_cooldown_s)]
         return Applied(p, resync_now)
 
@@ -203,12 +205,12 @@ class Writer:
                 [s.counters.prompt_tokens for s in stats], [s.counters.cached_tokens for s in stats],
                 [_json(s.counters) for s in stats])
 
-    async def mark_liveness(self, stale_after_s: float, gone_after_s: float) -> list[str]:
+    async def mark_liveness(self, stale_after_s: float, gone_after_s: float) -> list[NodeId]:
         """live/resyncing → stale after ``stale_after_s`` of silence; stale → gone (blocks
         cleared) after ``gone_after_s``. Returns the nodes gone now."""
         pool = await self.pool()
         async with pool.acquire() as conn:
-            return [r["node_id"] for r in await conn.fetch(sql.LIVENESS, stale_after_s, gone_after_s)]
+            return [NodeId(r["node_id"]) for r in await conn.fetch(sql.LIVENESS, stale_after_s, gone_after_s)]
 
     async def run_maintenance(self, retention_days: float) -> None:
         """Partitions ahead and retention, by one worker at a time (advisory lock)."""
@@ -263,7 +265,7 @@ async def _write_rows(conn: asyncpg.Connection, p: RowsPlan) -> None:
         await conn.execute(sql.UPDATE_NODES, *_node_columns(p.nodes))
 
 
-async def _write_native(conn: asyncpg.Connection, n: NativeWrites, nodes: dict[str, NodeRow]) -> None:
+async def _write_native(conn: asyncpg.Connection, n: NativeWrites, nodes: dict[NodeId, NodeRow]) -> None:
     """The hot path's writes. Its deletes and updates are of rows the worker's cache holds, its
     inserts of rows it does not: each must touch exactly its rows, or the database is not where
     the cache said (StaleCache: the take is replanned from the database)."""
@@ -303,7 +305,7 @@ async def _copy(conn: asyncpg.Connection, table: str, data: bytes, columns: Sequ
 _COPY_CHUNK = 1 << 20
 
 
-def _node_columns(nodes: dict[str, NodeRow]) -> list[list[Any]]:
+def _node_columns(nodes: dict[NodeId, NodeRow]) -> list[list[Any]]:
     """sql.UPDATE_NODES's parameters."""
     rows = list(nodes.values())
     return [[r.node_id for r in rows], [r.instance_id for r in rows], [r.last_event_id for r in rows],

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
-from eventbus.protocol import EVENT_BLOCKS_CHUNK, Event, EventData, Removed, Snapshot, SnapshotBlock
+from eventbus.protocol import EVENT_BLOCKS_CHUNK, BlockHash, Event, EventData, Removed, Snapshot, SnapshotBlock
 from inference_node.kv.types import KvStats
 
 
@@ -38,7 +38,7 @@ class EventLog:
         self._stats = stats  # events_emitted, events_overflowed, snapshots are counted there
         self._next_id = 0
         self._overflowed = False
-        self._open_removed: list[int] | None = None
+        self._open_removed: list[BlockHash] | None = None
         #: A consumer asked for a snapshot (``KVCacheManager.request_snapshot``).
         self.snapshot_requested = False
 
@@ -71,11 +71,11 @@ class EventLog:
             q.clear()
             self._overflowed = True
             return
-        q.append(Event(self._next_id, self._window_size, data))
+        q.append(Event(self._next_id, self._window_size, data))  # type: ignore[arg-type]  # NOTE: no NewType call per event
         self._next_id += 1
         self._stats.events_emitted += 1
 
-    def removed(self, hashes: Sequence[int], *, close: bool = False) -> None:
+    def removed(self, hashes: Sequence[BlockHash], *, close: bool = False) -> None:
         """Blocks left the cache: their hashes join the open ``removed`` event while it has room,
         then go into new ones; the last stays open for more unless ``close``."""
         i = 0
@@ -107,7 +107,7 @@ class EventLog:
         parts = max(1, -(-len(blocks) // step))
         q = self._events
         for part in range(parts):
-            q.append(Event(self._next_id, self._window_size,
+            q.append(Event(self._next_id, self._window_size,  # type: ignore[arg-type]
                            Snapshot(blocks=blocks[part * step:(part + 1) * step], part=part, parts=parts)))
             self._next_id += 1
             self._stats.events_emitted += 1

@@ -20,6 +20,7 @@ from eventbus.hashing import block_hash
 from eventbus.protocol import (
     DEFAULT_PRIORITY,
     BlockDigest,
+    BlockHash,
     LevelDiff,
     PriorityDiff,
     SnapshotBlock,
@@ -354,7 +355,7 @@ class BlockPool:
         cached = self.cached
         evictions = self._stats.evictions_by_priority
         append_slot = slots.append
-        hashes: list[int] = []
+        hashes: list[BlockHash] = []
         append_hash = hashes.append
         try:
             while k:

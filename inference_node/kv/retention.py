@@ -17,7 +17,6 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 from eventbus.protocol import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY
 
@@ -93,25 +92,6 @@ class KvCacheRetentionConfig:
                     f"[{b.start}, {'end' if b.end is None else b.end}) overlap; ranges must be disjoint"
                 )
         object.__setattr__(self, "_sorted", ranges)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> KvCacheRetentionConfig:
-        """Build from the JSON shape of the HTTP API (``kv_retention``)."""
-        try:
-            ranges = tuple(
-                TokenRange(
-                    start=r["start"], end=r.get("end"), priority=r["priority"],
-                    duration_s=r.get("duration_s"),
-                )
-                for r in data.get("token_ranges") or ()
-            )
-        except KeyError as exc:
-            raise RetentionConfigError(f"token range is missing {exc.args[0]!r}") from None
-        return cls(
-            token_ranges=ranges,
-            decode_priority=data.get("decode_priority", DEFAULT_PRIORITY),
-            decode_duration_s=data.get("decode_duration_s"),
-        )
 
     def block_retention(self, lo: int, hi: int, prompt_len: int) -> tuple[int, float | None]:
         """Priority and duration of the block holding tokens ``[lo, hi)``.

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ from confluent_kafka import Producer
 
 from eventbus.config import KafkaSettings
 from eventbus.kafka import delete_topics, ensure_topics, make_producer, topic_specs
-from eventbus.protocol import EventBatch, encode
+from eventbus.protocol import EventBatch, InstanceId, NodeId, encode
 from inference_node.kv.manager import KvCacheConfig, KVCacheManager
 from inference_node.publisher import InMemorySink, Publisher
 from kvflow.bench.harness import BenchResult, Samples, percentile
@@ -52,7 +52,8 @@ def make_batches(nodes: int, requests_per_node: int, *, pool_blocks: int = 1500,
         core = KVCacheManager(KvCacheConfig(num_gpu_blocks=pool_blocks, num_host_blocks=pool_blocks // 2,
                                             block_size=32, max_queued_events=1 << 22))
         sink = InMemorySink()
-        pub = Publisher(core, sink, f"bench-node-{n}", uuid.uuid4().hex, max_events_per_batch=events_per_batch,
+        pub = Publisher(core, sink, NodeId(f"bench-node-{n}"), InstanceId(uuid.uuid4().hex),
+                        max_events_per_batch=events_per_batch,
                         max_in_flight=1 << 30)
         for i, prompt in enumerate(synthetic_stream(requests_per_node, seed=seed + n)):
             core.allocate("r", prompt)
@@ -178,9 +179,9 @@ def bench_pipeline(*, nodes: int = 8, requests_per_node: int = 2500, freshness_r
                 say("starting a materializer worker and warming it up …")
                 warm = make_batches(1, 20, seed=5)
                 for b in warm:
-                    b.node_id = "warmup"
+                    b.node_id = NodeId("warmup")
                 _produce(k, warm)
-                _wait(url, {"warmup": warm[-1].events[-1].event_id}, proc, log, 120)
+                _wait(url, {NodeId("warmup"): warm[-1].events[-1].event_id}, proc, log, 120)
 
                 # Interleaved rounds, each on node ids of its own (the same stream, renamed), so that
                 # a noisy moment of the machine hits both sides alike; the figures are medians.
@@ -216,7 +217,7 @@ def bench_pipeline(*, nodes: int = 8, requests_per_node: int = 2500, freshness_r
     return res
 
 
-def _wait(url: str, targets: dict[str, int], proc: subprocess.Popen[bytes], log: Path, timeout: float) -> float:
+def _wait(url: str, targets: Mapping[NodeId, int], proc: subprocess.Popen[bytes], log: Path, timeout: float) -> float:
     """Poll (one connection, every 50 ms: the poller must not steal the machine from the
     materializer) until every node's last_event_id reached its target; return that time."""
     import json

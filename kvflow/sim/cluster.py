@@ -27,6 +27,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from eventbus.protocol import NodeId
 from inference_node.kv.adaptive import AdaptivePolicy
 from inference_node.kv.clock import ManualClock
 from inference_node.kv.manager import KvCacheConfig, KVCacheManager, OutOfBlocks
@@ -137,11 +138,12 @@ def simulate(requests: Sequence[SimRequest], *, nodes: int, capacity: int, routi
             matches = [sum(ns[j].core.match_prefix(prompt)) for j in range(n)]
             k = min(range(n), key=lambda j: (-matches[j], ns[j].inflight_blocks, j))
         elif routing == "kv_aware_load":
-            views, pm = [], {}
+            views: list[NodeView] = []
+            pm: dict[NodeId, PrefixMatch] = {}
             for j, nd in enumerate(ns):
                 gpu, host = nd.core.match_prefix(prompt)
-                pm[str(j)] = PrefixMatch(gpu, host)
-                views.append(NodeView(str(j), "", "live", cap, active_blocks=nd.inflight_blocks,
+                pm[NodeId(str(j))] = PrefixMatch(gpu, host)
+                views.append(NodeView(NodeId(str(j)), "", "live", cap, active_blocks=nd.inflight_blocks,
                                       active_requests=len(nd.inflight)))
             chosen = decide(blocks, views, pm, w, rng).chosen
             assert chosen is not None

@@ -10,6 +10,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
+from eventbus.protocol import NodeId
 from routing_api.config import ApiKey
 from routing_api.deps import State, scope
 from routing_api.errors import error_response
@@ -35,7 +36,7 @@ async def node(node_id: str, state: State, _: ApiKey | None = scope("read")) -> 
     if not rows:
         return error_response(404, f"no node {node_id!r}", "not_found")
     out = _node(state, rows[0])
-    out["cache_by_priority"] = await state.reader.cache_by_priority(node_id)
+    out["cache_by_priority"] = await state.reader.cache_by_priority(NodeId(node_id))
     return out
 
 

@@ -67,13 +67,3 @@ def test_bad_decode_settings_and_missing_fields_are_refused():
         KvCacheRetentionConfig(decode_priority=200)
     with pytest.raises(RetentionConfigError, match="decode_duration_s: duration_s must be finite"):
         KvCacheRetentionConfig(decode_duration_s=-5)
-    with pytest.raises(RetentionConfigError, match="token range is missing 'priority'"):
-        KvCacheRetentionConfig.from_dict({"token_ranges": [{"start": 0, "end": 4}]})
-
-
-def test_from_dict_reads_the_http_shape():
-    cfg = KvCacheRetentionConfig.from_dict({
-        "token_ranges": [{"start": 0, "end": None, "priority": 100, "duration_s": 60}],
-        "decode_priority": 20, "decode_duration_s": None,
-    })
-    assert cfg == KvCacheRetentionConfig((TokenRange(0, None, 100, 60.0),), 20, None)
