@@ -85,7 +85,7 @@ class EventLog:
             i = min(n, EVENT_BLOCKS_CHUNK - len(open_))
             open_ += hashes[:i]
         while i < n:
-            chunk = list(hashes[i:i + EVENT_BLOCKS_CHUNK])
+            chunk = list(hashes[i:i + EVENT_BLOCKS_CHUNK])  # a copy: the caller may reuse ``hashes``
             self.emit(Removed(block_hashes=chunk))
             # NOTE: the queued event holds this very list, so later removals extend it in place (if
             # the event was dropped by an overflow, they extend a list nobody reads: harmless).

@@ -68,6 +68,7 @@ class BlockPool:
         self.expiries: list[tuple[float, int, int, Block]] = []
         self._uid = 0
         self._tick = 0
+        self._clocks: list[Block] = []  # blocks a release made evictable whose clocks start (reused)
         #: Copies for the model layer, in order, since the caller last took them.
         self.copies: list[BlockCopy] = []
 
@@ -254,19 +255,19 @@ class BlockPool:
         """A request finished: its blocks are released tail first (within a priority a sequence's
         tail is then evicted before its head); private ones are freed. Blocks in use are on the
         GPU."""
-        clocks: list[Block] = []
+        clocks = self._clocks
         self._tick = self._index[GPU].release(reversed(blocks), self._tick, self._free[GPU], clocks,
                                               self._adaptive is not None)
-        for b in clocks:
-            self._start_clock(b)
+        if clocks:
+            self._start_clocks()
 
     def release(self, b: Block) -> None:
         """One request less uses ``b`` (on either tier; a cached block)."""
-        clocks: list[Block] = []
+        clocks = self._clocks
         self._tick = self._index[b.level].release((b,), self._tick, self._free[b.level], clocks,
                                                   self._adaptive is not None)
-        for c in clocks:
-            self._start_clock(c)
+        if clocks:
+            self._start_clocks()
 
     def set_priority(self, b: Block, priority: int, duration: float | None) -> None:
         """Re-prioritize ``b`` (``updated`` if its priority changes)."""
@@ -324,6 +325,12 @@ class BlockPool:
         ]
 
     # ------------------------------------------------------------------ internals
+
+    def _start_clocks(self) -> None:
+        """Start the clocks of the blocks the last release made evictable (``_clocks``)."""
+        for b in self._clocks:
+            self._start_clock(b)
+        self._clocks.clear()
 
     def _start_clock(self, b: Block) -> None:
         """b became evictable: note when, and start its retention duration if it has one."""
