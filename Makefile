@@ -7,7 +7,7 @@ STAMP := $(VENV)/.kvflow-installed
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo test test-unit lint up down status bench sim clean browser
+.PHONY: help install demo test test-unit lint up down status bench sim clean browser compose-check
 
 help: ## List the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "} {printf "  \033[36m%-10s\033[0m %s\n", $$1, $$2}'
@@ -16,6 +16,21 @@ help: ## List the targets
 # without one kvflow runs in pure Python (the same results, slower).
 CARGO := $(shell command -v cargo 2>/dev/null || { test -x $(HOME)/.cargo/bin/cargo && echo $(HOME)/.cargo/bin/cargo; })
 NATIVE_SOURCES := native/pyproject.toml native/Cargo.toml native/Cargo.lock $(wildcard native/src/*.rs)
+
+# The compose files are checked by loading them with compose-go (the library `docker compose` loads
+# them with), built from the Go module proxy, where the docker compose plugin is missing.
+GO := $(shell command -v go 2>/dev/null)
+COMPOSE_CHECK := .kvflow/bin/kvflow-compose
+COMPOSE_SOURCES := deploy/compose-check/go.mod deploy/compose-check/go.sum deploy/compose-check/main.go
+
+$(COMPOSE_CHECK): $(COMPOSE_SOURCES)
+ifneq ($(GO),)
+	cd deploy/compose-check && $(GO) build -o $(CURDIR)/$(COMPOSE_CHECK) .
+else
+	@echo "note: no Go toolchain: the compose files are checked only where the docker compose plugin is installed"
+endif
+
+compose-check: $(COMPOSE_CHECK) ## Build kvflow-compose: compose files loaded with compose-go (no docker compose needed)
 
 $(STAMP): pyproject.toml $(NATIVE_SOURCES)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -33,7 +48,7 @@ install: $(STAMP) ## Create .venv and install kvflow with its test extras
 demo: $(STAMP) ## The main job: stack, materializer, router, two nodes, a workload, a summary
 	$(BIN)/kvflow demo
 
-test: $(STAMP) browser ## The whole suite (unit + integration) against a real local stack, then stop it
+test: $(STAMP) browser $(COMPOSE_CHECK) ## The whole suite (unit + integration) against a real local stack, then stop it
 	@was_up=0; $(BIN)/kvflow stack status --check >/dev/null 2>&1 && was_up=1; \
 	$(BIN)/kvflow stack up && $(BIN)/kvflow db upgrade \
 	  && KVFLOW_REQUIRE_SERVICES=1 KVFLOW_REQUIRE_NATIVE=$(if $(CARGO),1,0) $(BIN)/pytest $(PYTEST_ARGS); \
