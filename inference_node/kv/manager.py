@@ -28,17 +28,18 @@ Every change of the cached set is an event (``created``, ``stored``, ``removed``
 on overflow the queued events are dropped, counted, and replaced by a ``snapshot`` at the next
 drain, with no gap in ``event_id``.
 
-The manager orchestrates the core's parts: :mod:`~inference_node.kv.block` (the record),
-:mod:`~inference_node.kv.eviction` (each tier's eviction order, which it changes only through the
-index's methods), :mod:`~inference_node.kv.events` (the log), :mod:`~inference_node.kv.adaptive`
-(learned priorities) and :mod:`~inference_node.kv.retention` (client configs). Its public value
-types live in :mod:`~inference_node.kv.types` and are re-exported here.
+The manager decides what happens to requests (which blocks a prompt needs, which retention they
+take: :mod:`~inference_node.kv.retention`, :mod:`~inference_node.kv.adaptive`) and has the
+:class:`~inference_node.kv.pool.BlockPool` do it to blocks; the pool keeps each tier's order in an
+:class:`~inference_node.kv.eviction.EvictionIndex` (changed only through its methods) and reports
+every change to the :class:`~inference_node.kv.events.EventLog`. The block record and its states
+are :mod:`~inference_node.kv.block`; the public value types live in
+:mod:`~inference_node.kv.types` and are re-exported here.
 
 Complexity: lookups are dict operations; the eviction order is kept per tier by
 :class:`~inference_node.kv.eviction.EvictionIndex` (O(1) for the common operations, O(log n) at
 worst); expiries use a binary heap with lazy deletion.
 """
-
 
 from __future__ import annotations
 
