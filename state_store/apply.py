@@ -6,7 +6,8 @@ batches remove or update (:func:`blocks_to_look_up` says which). ``plan`` return
 one transaction (a :class:`~state_store.plans.RowsPlan`):
 
 * ``history``: the ``block_events`` rows, one per event × block, with the old level and priority
-  of removed blocks filled in;
+  of removed blocks filled in, and both the old and the new ones of updated blocks (an event's
+  diff, else the block's unchanged value: an offload carries its priority);
 * ``resets``: nodes whose cached blocks are all deleted first (``created``, ``snapshot``, a new
   instance);
 * ``upserts`` / ``deletes``: the *net* change of ``node_blocks`` (a block stored and removed in
@@ -320,14 +321,16 @@ class Planner:
                                      lv.old if lv else None, lv.new if lv else None,
                                      pr.old if pr else None, pr.new if pr else None, None, None, None, batch_ts))
             return status
+        # The row carries the block's level and priority before and after the event: the diff where
+        # the event has one, else the block's own value in both (an offload says no priority).
+        lv_old, lv_new = (lv.old, lv.new) if lv else (cur.cache_level, cur.cache_level)
+        pr_old, pr_new = (pr.old, pr.new) if pr else (cur.priority, cur.priority)
         # NOTE: built directly; NamedTuple._replace costs ~3x as much
-        view.changed[h] = BlockRow(cur.node_id, h, cur.parent_hash, lv.new if lv else cur.cache_level,
-                                   pr.new if pr else cur.priority, cur.num_tokens, cur.lora_id, cur.window_size,
-                                   cur.stored_at, batch_ts)
+        view.changed[h] = BlockRow(cur.node_id, h, cur.parent_hash, lv_new, pr_new, cur.num_tokens, cur.lora_id,
+                                   cur.window_size, cur.stored_at, batch_ts)
         self.out.history.append((view.node_id, instance, ev.event_id, 0, "updated", h, cur.parent_hash,
-                                 lv.old if lv else None, lv.new if lv else None,
-                                 pr.old if pr else None, pr.new if pr else None,
-                                 cur.num_tokens, cur.lora_id, cur.stored_at, batch_ts))
+                                 lv_old, lv_new, pr_old, pr_new, cur.num_tokens, cur.lora_id, cur.stored_at,
+                                 batch_ts))
         return status
 
     def _created(self, view: _NodeView, row: NodeRow, ev: Event, d: Created, batch_ts: datetime) -> NodeRow:

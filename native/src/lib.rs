@@ -33,6 +33,8 @@ struct Block {
 }
 
 type Row = (Option<i64>, i16, i16, i32, Option<i64>, Option<i64>, i64, i64);
+/// A row of `BlockStore::load`: the block hash, then a `Row`'s fields.
+type LoadRow = (i64, Option<i64>, i16, i16, i32, Option<i64>, Option<i64>, i64, i64);
 
 impl Block {
     fn from_row(r: Row) -> Self {
@@ -183,7 +185,7 @@ impl BlockStore {
     /// Replace a node's blocks: rows of (block_hash, parent_hash, cache_level, priority,
     /// num_tokens, lora_id, window_size, stored_at, updated_at), hashes signed, times in
     /// PostgreSQL microseconds.
-    fn load(&mut self, node: &str, rows: Vec<(i64, Option<i64>, i16, i16, i32, Option<i64>, Option<i64>, i64, i64)>) {
+    fn load(&mut self, node: &str, rows: Vec<LoadRow>) {
         let m = rows
             .into_iter()
             .map(|r| (r.0, Block::from_row((r.1, r.2, r.3, r.4, r.5, r.6, r.7, r.8))))
@@ -325,8 +327,12 @@ impl BlockStore {
                     ..cur
                 };
                 overlay.insert(h, Some(next));
-                history_row(hist, nb, ib, eid, 0, b"updated", h, cur.parent, lv.map(|x| x.0), lv.map(|x| x.1),
-                            pr.map(|x| x.0), pr.map(|x| x.1), cur.ntok, cur.lora, Some(cur.stored_at), ts);
+                // The block's level and priority before and after: the diff where the event has
+                // one, else its unchanged value (an offload carries its priority), as apply.py.
+                let (lv_old, lv_new) = lv.unwrap_or((cur.level, cur.level));
+                let (pr_old, pr_new) = pr.unwrap_or((cur.prio, cur.prio));
+                history_row(hist, nb, ib, eid, 0, b"updated", h, cur.parent, Some(lv_old), Some(lv_new),
+                            Some(pr_old), Some(pr_new), cur.ntok, cur.lora, Some(cur.stored_at), ts);
             } else {
                 return Ok(false); // created, snapshot: the reference planner's case
             }

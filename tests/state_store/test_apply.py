@@ -69,9 +69,28 @@ def test_removed_and_updated_take_old_values_from_sql():
     assert out.deletes == {("n", 8)}
     assert out.upserts[("n", 7)] == BlockRow("n", 7, None, 1, 80, 4, None, 64, then, ts(T0))
     upd, rem = out.history
-    assert (upd[4], upd[7], upd[8], upd[9], upd[10]) == ("updated", 0, 1, None, None)
+    # An offload carries no priority diff: the row has the block's priority, unchanged.
+    assert (upd[4], upd[7], upd[8], upd[9], upd[10]) == ("updated", 0, 1, 80, 80)
     assert (rem[4], rem[6], rem[7], rem[9]) == ("removed", 7, 0, 35)
     assert rem[13] == then  # stored_at: the residency of the removed block starts there
+
+
+def test_updated_rows_carry_the_state_before_and_after_in_both_pairs():
+    """An offload has the block's priority (the evictions view groups by it); a re-prioritization
+    has the block's level; a block updated twice in a run has each step's values."""
+    node = NodeRow("n", "i1", 9, LIVE, ts(T0))
+    then = datetime(2026, 1, 1, tzinfo=UTC)
+    known = {("n", 7): BlockRow("n", 7, None, 0, 90, 4, None, 64, then, then)}
+    b = batch("n", "i1", 10, p.Updated(block_hash=7, priority=p.PriorityDiff(old=90, new=35)),
+              p.Updated(block_hash=7, cache_level=p.LevelDiff(old=0, new=1)),
+              p.Updated(block_hash=7, cache_level=p.LevelDiff(old=1, new=0), priority=p.PriorityDiff(old=35, new=100)))
+    out = plan([b], {"n": node}, known)
+    assert [r[7:11] for r in out.history] == [(0, 0, 90, 35), (0, 1, 35, 35), (1, 0, 35, 100)]
+    assert out.upserts[("n", 7)].priority == 100 and out.upserts[("n", 7)].cache_level == 0
+    # While the node resyncs its blocks are unknown: only the event's diff.
+    out = plan([batch("n", "i1", 12, p.Updated(block_hash=7, cache_level=p.LevelDiff(old=0, new=1)))],
+               {"n": node}, known)
+    assert out.history[0][7:11] == (0, 1, None, None)
 
 
 def test_a_block_stored_and_removed_in_one_run_is_neither_written_nor_deleted():

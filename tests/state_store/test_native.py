@@ -182,7 +182,7 @@ def test_the_hot_path_writes_what_the_reference_planner_writes(seed):
     planner = TakePlanner(native=True)
     nat = planner.cache
     assert isinstance(nat, NativeNodeCache)
-    i = takes = mixed = 0
+    i = takes = mixed = offloads = 0
     by: collections.Counter[str] = collections.Counter()
     sql_ref: dict[tuple[str, int], BlockRow] = {}
     sql_nat: dict[tuple[str, int], BlockRow] = {}
@@ -208,6 +208,10 @@ def test_the_hot_path_writes_what_the_reference_planner_writes(seed):
         assert sql_nat == sql_ref
         # The parts plan nodes in turn: each node's rows in order.
         assert sorted(got_history, key=node_of) == sorted(want_history, key=node_of)
+        for row in got_history:  # an updated row of a known block has its state before and after
+            if row[4] == "updated" and row[13] is not None:
+                assert None not in row[7:11], row
+                offloads += row[7:9] == (0, 1)
         assert sorted(got.batch_ts) == sorted(want.batch_ts)
         assert got.counts == want.counts
         assert got.resync == want.resync
@@ -223,6 +227,7 @@ def test_the_hot_path_writes_what_the_reference_planner_writes(seed):
     assert by["python"] + by["parts"] > 10
     assert by["parts"] > 0
     assert mixed > 5
+    assert offloads > 10  # the streams offload (their rows are checked above)
 
 
 T0 = 1_700_000_000.0
@@ -281,7 +286,7 @@ def test_a_plain_take_rows_and_the_store_after_it():
     assert history == [
         ("n", "i", 10, 0, "stored", 7, 5, None, 0, None, 35, 4, None, None, t),
         ("n", "i", 10, 1, "stored", -1, 7, None, 0, None, 35, 4, None, None, t),
-        ("n", "i", 11, 0, "updated", 5, None, 0, 1, None, None, 4, None, old, t),
+        ("n", "i", 11, 0, "updated", 5, None, 0, 1, 35, 35, 4, None, old, t),  # an offload has its priority
         ("n", "i", 12, 0, "removed", 7, 5, 0, None, 35, None, 4, None, t, t),
         ("n", "i", 12, 1, "removed", 9, None, 0, None, 35, None, 4, None, old, t),
     ]
