@@ -5,7 +5,8 @@ cached prefix; only the uncached suffix is computed, reading the prefix from the
 one decode step for every running request in one batched forward (continuous batching: requests
 join and leave between steps), (3) performs the block copies the core asks for (offload to and
 onboard from the host pool, before the forward that needs them), and (4) drains the core's events
-to the publisher and heartbeats ``NodeStats``.
+to the publisher. ``NodeStats`` heartbeats go out from a thread of their own (:class:`Heartbeat`),
+so that a long prefill does not make the node look gone.
 
 Everything that touches the core or the tensors happens on this thread; the HTTP server talks
 to it through :meth:`Engine.submit` (outputs come back on an asyncio queue) and
@@ -28,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import msgspec
 import torch
 
 from eventbus.protocol import InstanceId, NodeCounters, NodeId, NodeStats
@@ -149,7 +151,7 @@ class Engine:
         self._wake = threading.Condition()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"engine-{node_id}", daemon=True)
-        self._last_heartbeat = 0.0
+        self.heartbeat = Heartbeat(self, heartbeat_s)
         self.started = False
         self.fatal: BaseException | None = None
 
@@ -158,13 +160,16 @@ class Engine:
     def start(self) -> None:
         self.started = True
         self._thread.start()
+        self.heartbeat.start()
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Stop the loop and the heartbeats, and publish what is queued."""
         self._stop.set()
         with self._wake:
             self._wake.notify_all()
         if self.started:
             self._thread.join(timeout)
+        self.heartbeat.stop()
         self.publisher.pump()
         self.publisher.sink.flush(5)
 
@@ -256,10 +261,6 @@ class Engine:
             self.core.request_snapshot()
         self.core.tick()
         self.publisher.pump()
-        now = time.monotonic()
-        if now - self._last_heartbeat >= self.heartbeat_s:
-            self._last_heartbeat = now
-            self.publisher.sink.send_stats(self.node_stats())
 
     # ----------------------------------------------------------------- prefill
 
@@ -386,6 +387,7 @@ class Engine:
     # ----------------------------------------------------------------- state
 
     def node_stats(self) -> NodeStats:
+        """The heartbeat now (on the engine thread, or once it has stopped)."""
         st = self.core.stats
         used = self.core.used_blocks
         running, waiting = len(self._running), len(self._waiting)
@@ -402,3 +404,59 @@ class Engine:
                 offloads_by_priority={str(k): v for k, v in sorted(st.offloads_by_priority.items())},
                 events_published=self.publisher.events_sent, events_overflowed=st.events_overflowed),
         )
+
+
+class Heartbeat:
+    """Sends the engine's ``NodeStats`` every ``interval_s`` from a thread of its own.
+
+    Each beat asks the engine thread for fresh stats (:meth:`Engine.call`); if the engine does not
+    answer within a fraction of the interval (a long prefill holds it), the last stats go out
+    again with the current time, so the node stays live. A crashed engine sends none.
+    """
+
+    def __init__(self, engine: Engine, interval_s: float) -> None:
+        self.engine = engine
+        self.interval_s = interval_s
+        self.sent = 0
+        self.stale_sent = 0  # beats that repeated the last stats (the engine was busy)
+        self._last: NodeStats | None = None
+        self._pending: concurrent.futures.Future[NodeStats] | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{engine.node_id}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5)
+
+    def _run(self) -> None:
+        while True:
+            stats = self._beat()
+            if stats is not None:
+                self.engine.publisher.sink.send_stats(stats)
+                self.sent += 1
+            if self._stop.wait(self.interval_s):
+                return
+
+    def _beat(self) -> NodeStats | None:
+        """The stats to send now (None: nothing to send)."""
+        if self.engine.fatal is not None:
+            return None
+        if self._pending is None:
+            self._pending = self.engine.call(self.engine.node_stats)
+        try:
+            stats = self._pending.result(timeout=min(0.5, self.interval_s / 2))
+        except concurrent.futures.TimeoutError:  # busy: the last stats, now (the call stays queued)
+            if self._last is None:
+                return None
+            self.stale_sent += 1
+            return msgspec.structs.replace(self._last, ts=time.time())
+        except RuntimeError:  # the engine crashed meanwhile
+            self._pending = None
+            return None
+        self._pending = None
+        self._last = stats
+        return stats
