@@ -18,6 +18,7 @@ from rich.table import Table
 from sqlalchemy.exc import SQLAlchemyError
 
 from kvflow.stack import ServiceStatus, Stack, StackError, redact_url
+from kvflow.supervise import Stopped, follow_parent, signals_stop
 
 app = typer.Typer(
     no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -55,6 +56,8 @@ def guarded(cmd: str, fn: Callable[[], T]) -> T:
         if os.environ.get("KVFLOW_DEBUG"):
             raise
         _fail(cmd, f"{type(exc).__name__}: {_first_line(exc)} (KVFLOW_DEBUG=1 for the traceback)")
+    except Stopped as exc:
+        _fail(cmd, f"stopped by {exc}")
     except KeyboardInterrupt:
         _fail(cmd, "interrupted")
     raise AssertionError("unreachable")
@@ -64,7 +67,12 @@ def guarded(cmd: str, fn: Callable[[], T]) -> T:
 def stack_up() -> None:
     """Start Apache Kafka (KRaft) and PostgreSQL; a no-op for what already runs."""
     stack = Stack()
-    result = guarded("stack up", lambda: stack.up(say=lambda m: console.print(f"[dim]{m}[/]")))
+
+    def up() -> dict[str, str]:
+        with signals_stop():  # a stop signal ends its helper commands (subprocess.run kills them)
+            return stack.up(say=lambda m: console.print(f"[dim]{m}[/]"))
+
+    result = guarded("stack up", up)
     for name, state in result.items():
         console.print(f"[green]{name}[/]: {state}")
     _print_status(stack)
@@ -189,7 +197,8 @@ def _run_bench(name: str, json_path: str | None, produce: Callable[[Callable[[st
     """Run a benchmark (``produce(say)`` returns its BenchResult), print it, and write it as JSON."""
 
     def run() -> None:
-        result = produce(lambda m: console.print(f"[dim]{m}[/]"))
+        with signals_stop():  # a stop signal ends the run's processes (their finally blocks)
+            result = produce(lambda m: console.print(f"[dim]{m}[/]"))
         result.print(console)
         if json_path:
             result.write_json(json_path)
@@ -307,8 +316,13 @@ def node_cmd(
                       f"{settings.num_blocks}+{settings.host_blocks} blocks of {settings.block_size} tokens",
                       highlight=False)
         try:
-            uvicorn.run(create_app(node), host=settings.host, port=settings.port, log_level=log_level.lower(),
-                        access_log=False)
+            # NOTE: after its graceful shutdown uvicorn (0.54) raises the signal that stopped it again,
+            # with the handler it found: Python's default for SIGTERM would end the process before
+            # node.close() (the last events, the goodbye heartbeat). signals_stop's handler raises
+            # instead, which uvicorn.run swallows, and the node closes.
+            with signals_stop():
+                uvicorn.run(create_app(node), host=settings.host, port=settings.port, log_level=log_level.lower(),
+                            access_log=False)
         finally:
             node.close()
 
@@ -356,8 +370,11 @@ def router_cmd(
         if settings.workers == 1:
             uvicorn.run(app_, host=settings.host, port=settings.port, log_level=log_level.lower(), access_log=False)
         else:  # each worker process builds its app from the same environment
-            uvicorn.run("routing_api.app:create_app", factory=True, workers=settings.workers, host=settings.host,
-                        port=settings.port, log_level=log_level.lower(), access_log=False)
+            from kvflow.supervise import run_router_workers
+
+            run_router_workers(uvicorn.Config("kvflow.supervise:router_worker_app", factory=True,
+                                              workers=settings.workers, host=settings.host, port=settings.port,
+                                              log_level=log_level.lower(), access_log=False))
 
     guarded("router", run)
 
@@ -419,8 +436,12 @@ def sim_cmd(
 
 
 def main() -> None:
+    # Started by a kvflow supervisor (demo, benches, `router --workers`): leave when it is gone.
+    follow_parent()
     try:
         app()
+    except Stopped as exc:
+        sys.exit(128 + exc.signum)
     except KeyboardInterrupt:
         sys.exit(130)
 

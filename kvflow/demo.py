@@ -5,7 +5,10 @@ two CPU inference nodes as separate processes, and drives a workload through the
 long shared system prompts pinned at priority 100, multi-turn conversations whose history grows,
 and one-off questions. It ends with a summary (requests, cached-token share, routing choices,
 events published and materialized, materializer lag), the dashboard's URL and a line of SQL.
-Ctrl-C, or the end of the run, stops everything it started.
+The services run under a :class:`~kvflow.supervise.Supervisor`: one that dies is reported (exit
+status, last log lines) and restarted with backoff while the others keep running. SIGINT
+(Ctrl-C), SIGTERM, SIGHUP, or the end of the run stop everything it started; killed outright,
+its children notice and stop too.
 """
 
 from __future__ import annotations
@@ -14,9 +17,6 @@ import asyncio
 import contextlib
 import os
 import random
-import signal
-import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -31,6 +31,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvflow.stack import Stack, port_open
+from kvflow.supervise import Child, Supervisor, exit_status, kvflow_argv, signals_stop
 from state_store.config import DatabaseSettings, plain_dsn
 
 SYSTEM_PROMPTS = [
@@ -48,7 +49,7 @@ TOPICS = ["refunds", "a lost bag", "a delayed flight", "seat upgrades", "pets on
 @dataclass
 class Service:
     name: str
-    proc: subprocess.Popen[bytes]
+    child: Child
     url: str | None = None
 
 
@@ -83,25 +84,18 @@ class Demo:
         self.services: list[Service] = []
         self.log_dir = log_dir or self.stack.paths.logs / "demo"
         self.env = dict(os.environ)
+        # No restarts while starting: a service that cannot start says so at once (start()).
+        self.supervisor = Supervisor(lambda m: console.print(f"[yellow]{m}[/]", highlight=False), restart=False)
 
     # ------------------------------------------------------------------ processes
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None, url: str | None = None) -> None:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        with (self.log_dir / f"{name}.log").open("ab") as log:  # the child keeps its own handle
-            proc = subprocess.Popen([sys.executable, "-m", "kvflow.cli", *args], env={**self.env, **(env or {})},
-                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.services.append(Service(name, proc, url))
+        child = self.supervisor.spawn(name, kvflow_argv(*args), self.log_dir / f"{name}.log",
+                                      {**self.env, **(env or {})})
+        self.services.append(Service(name, child, url))
 
     def stop(self) -> None:
-        for svc in reversed(self.services):
-            if svc.proc.poll() is None:
-                svc.proc.send_signal(signal.SIGTERM)
-        for svc in reversed(self.services):
-            try:
-                svc.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                svc.proc.kill()
+        self.supervisor.stop()
         self.services.clear()
         if self.started_stack:
             self.console.print("[dim]stopping the local stack it started …[/]")
@@ -114,9 +108,11 @@ class Demo:
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(url, timeout=2).status_code == 200:
                     return
-            for svc in self.services:
-                if svc.proc.poll() is not None:
-                    raise RuntimeError(f"{svc.name} exited; see {self.log_dir / (svc.name + '.log')}")
+            exited = self.supervisor.first_exit()
+            if exited is not None:
+                assert exited.proc is not None
+                raise RuntimeError(f"{exited.name} exited ({exit_status(exited.proc.returncode)}); "
+                                   f"see {exited.log}")
             time.sleep(0.3)
         raise RuntimeError(f"{url} did not answer within {timeout:.0f} s")
 
@@ -167,6 +163,9 @@ class Demo:
             time.sleep(0.5)
         else:
             raise RuntimeError("the nodes did not appear in PostgreSQL; see the materializer's log")
+        for svc in self.services:
+            say(f"{svc.name}: pid {svc.child.pid}" + (f", {svc.url}" if svc.url else ""))
+        self.supervisor.restart = True  # from now on a service that dies is restarted
         return router, node_urls
 
     def workload(self, seed: int = 7) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -269,32 +268,33 @@ def run_demo(console: Console, *, requests: int = 90, keep: bool = False, use_lo
     def say(m: str) -> None:
         console.print(f"[dim]{m}[/]")
 
-    try:
-        router, node_urls = demo.start(say)
-        with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn(), console=console) as progress:
-            t0 = time.monotonic()
-            res = asyncio.run(demo.drive(router, progress))
-            elapsed = time.monotonic() - t0
-        figures = asyncio.run(demo.pipeline_figures(node_urls))
-        _summary(console, res, figures, elapsed, router)
-        if keep:
-            console.print("\nthe services keep running; press Ctrl-C to stop them")
-            with contextlib.suppress(KeyboardInterrupt):
-                while all(s.proc.poll() is None for s in demo.services):
-                    time.sleep(1)
-        return 0 if res.failed == 0 else 1
-    except KeyboardInterrupt:
-        console.print("\ninterrupted")
-        return 130
-    finally:
-        demo.stop()
+    with signals_stop():  # SIGINT, SIGTERM and SIGHUP stop everything it started (finally)
+        try:
+            router, node_urls = demo.start(say)
+            with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                          TimeElapsedColumn(), console=console) as progress:
+                t0 = time.monotonic()
+                res = asyncio.run(demo.drive(router, progress))
+                elapsed = time.monotonic() - t0
+            figures = asyncio.run(demo.pipeline_figures(node_urls))
+            _summary(console, res, figures, elapsed, router)
+            if keep:
+                console.print("\nthe services keep running (a service that dies is restarted); "
+                              "Ctrl-C, SIGTERM or SIGHUP stops them")
+                while True:
+                    time.sleep(3600)
+            return 0 if res.failed == 0 else 1
+        except KeyboardInterrupt as exc:  # Ctrl-C, or a stop signal (kvflow.supervise.Stopped)
+            console.print(f"\n{exc or 'interrupted'}: stopping what the demo started …")
+            return 130
+        finally:
+            demo.stop()
 
 
 def _summary(console: Console, res: DemoResult, f: dict[str, Any], elapsed: float, router: str) -> None:
-    t = Table(title="kvflow demo")
-    t.add_column("")
-    t.add_column("", justify="right")
+    t = Table(title="kvflow demo", show_header=False)
+    t.add_column("what")
+    t.add_column("value", justify="right")
     share = res.cached_tokens / res.prompt_tokens if res.prompt_tokens else 0.0
     t.add_row("requests (failed)", f"{res.requests} ({res.failed})")
     t.add_row("requests per second", f"{res.requests / elapsed:.1f}")

@@ -30,6 +30,8 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from kvflow.supervise import die_with_parent
+
 #: PostgreSQL refuses to run as root; as root we run its binaries as this user.
 PG_OS_USER = "postgres"
 
@@ -166,8 +168,9 @@ def run(cmd: Sequence[str], *, log: Path | None = None, timeout: float = 600,
         env: dict[str, str] | None = None, what: str) -> subprocess.CompletedProcess[str]:
     """Run a helper command; on failure raise StackError with the tail of its output."""
     try:
-        proc = subprocess.run(
-            list(cmd), capture_output=True, text=True, timeout=timeout, env=env, check=False
+        proc = subprocess.run(  # (the helper dies with this process, even killed with SIGKILL)
+            list(cmd), capture_output=True, text=True, timeout=timeout, env=env, check=False,
+            preexec_fn=die_with_parent,
         )
     except FileNotFoundError as exc:
         raise StackError(f"{what}: {cmd[0]} not found") from exc

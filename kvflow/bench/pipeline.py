@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -38,6 +37,7 @@ from inference_node.publisher import InMemorySink, Publisher
 from kvflow.bench.harness import BenchResult, Samples, percentile
 from kvflow.bench.kv import synthetic_stream
 from kvflow.bench.scratch import scratch_database
+from kvflow.supervise import kvflow_argv, spawn_child, stop_groups
 from state_store.apply import plan
 from state_store.config import DatabaseSettings, plain_dsn
 
@@ -136,18 +136,11 @@ def _materializer(k: KafkaSettings, url: str, log: Path, **env: str) -> subproce
          "KVFLOW_KAFKA_CONTROL_TOPIC": k.control_topic, "KVFLOW_DATABASE_URL": url,
          "KVFLOW_MATERIALIZER_GROUP_ID": f"bench-{uuid.uuid4().hex[:8]}", "KVFLOW_MATERIALIZER_WEB_PORT": "0",
          **env}
-    with log.open("ab") as out:  # the child keeps its own handle
-        return subprocess.Popen([sys.executable, "-m", "kvflow.cli", "materializer", "--loglevel", "warn"], env=e,
-                                stdout=out, stderr=subprocess.STDOUT, cwd=PROJECT)
+    return spawn_child(kvflow_argv("materializer", "--loglevel", "warn"), log, e, PROJECT)
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
+    stop_groups([proc], 30)
 
 
 def bench_pipeline(*, nodes: int = 8, requests_per_node: int = 2500, freshness_rate: float = 10_000,

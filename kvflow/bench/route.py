@@ -18,8 +18,6 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -36,6 +34,7 @@ from kvflow.bench.harness import BenchResult, percentile
 from kvflow.bench.httpload import LoadResult, post_load
 from kvflow.bench.scratch import scratch_database
 from kvflow.stack import free_port
+from kvflow.supervise import kvflow_argv, spawn_child, stop_groups
 from routing_api.queries import PREFIX_MATCHES
 from state_store.config import DatabaseSettings, plain_dsn
 
@@ -114,10 +113,8 @@ def _router(reader: str, workers: int) -> Iterator[int]:
     port = free_port()
     env = {**os.environ, "KVFLOW_DATABASE_READER_URL": reader}
     log = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvflow-bench-route-{port}.log"
-    with log.open("ab") as out:  # the child keeps its own handle
-        proc = subprocess.Popen([sys.executable, "-m", "kvflow.cli", "router", "--port", str(port), "--workers",
-                                 str(workers), "--log-level", "warning"], env=env, cwd=PROJECT, stdout=out,
-                                stderr=subprocess.STDOUT)
+    proc = spawn_child(kvflow_argv("router", "--port", str(port), "--workers", str(workers), "--log-level", "warning"),
+                       log, env, PROJECT)
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -131,8 +128,7 @@ def _router(reader: str, workers: int) -> Iterator[int]:
             time.sleep(0.2)
         yield port
     finally:
-        proc.terminate()
-        proc.wait(30)
+        stop_groups([proc], 30)
 
 
 def _throughput(port: int, bodies: list[bytes], requests: int,
