@@ -7,8 +7,9 @@ the same settings onto aiokafka (``state_store.faust_app``).
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,6 +111,54 @@ def delete_topics(s: KafkaSettings, names: Iterable[str], timeout: float = 30.0)
                 raise
 
 
+#: librdkafka log facilities of a failed connection to a broker (its own retries follow).
+_CONNECTION_FAILURES = frozenset({"FAIL", "BROKERFAIL", "ERROR"})
+
+
+class KafkaLog:
+    """librdkafka's log lines through Python logging, with an outage said once, not per retry.
+
+    While brokers cannot be reached librdkafka logs each failed connection attempt (hundreds of
+    lines in 30 s for a node's producer and consumer). The first failure after a quiet spell is
+    logged as a warning; the following ones are counted and logged as one line every
+    ``summary_s``; ``summary_s`` without a failure ends the outage. Every other line passes
+    through at its own level. (The ``logger`` of a librdkafka client: it calls ``log(level, fmt,
+    facility, client, message)``.)
+    """
+
+    def __init__(self, name: str = "kvflow.kafka", summary_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.logger = logging.getLogger(name)
+        self.summary_s = summary_s
+        self.clock = clock
+        self.failures = 0  # in all
+        self._since_summary = 0
+        self._down_at: float | None = None
+        self._last_failure = 0.0
+        self._last_summary = 0.0
+
+    def log(self, level: int, fmt: str, *args: Any) -> None:
+        facility = args[0] if args else ""
+        if facility not in _CONNECTION_FAILURES:
+            self.logger.log(level, fmt, *args)
+            return
+        now = self.clock()
+        self.failures += 1
+        if self._down_at is None or now - self._last_failure >= self.summary_s:
+            self._down_at = self._last_summary = now
+            self._since_summary = 0
+            self.logger.warning("Kafka unreachable: %s (further connection errors are summarized every %.0f s)",
+                                args[-1] if args else fmt, self.summary_s)
+        else:
+            self._since_summary += 1
+            if now - self._last_summary >= self.summary_s:
+                self.logger.warning("Kafka still unreachable after %.0f s: %d connection errors in the last %.0f s",
+                                    now - self._down_at, self._since_summary, now - self._last_summary)
+                self._last_summary = now
+                self._since_summary = 0
+        self._last_failure = now
+
+
 def make_producer(s: KafkaSettings, **overrides: Any) -> Producer:
     """An idempotent producer: acks=all, ordered per partition, compressed, batched."""
     conf = s.librdkafka(**{
@@ -121,6 +170,7 @@ def make_producer(s: KafkaSettings, **overrides: Any) -> Producer:
         "message.max.bytes": 10 * 1024 * 1024,
         "queue.buffering.max.messages": 100_000,
         "message.timeout.ms": 0,  # retry until delivered; a bounded buffer above decides
+        "logger": KafkaLog(),
         **overrides,
     })
     return Producer(conf)
@@ -136,6 +186,7 @@ def make_consumer(s: KafkaSettings, group_id: str, **overrides: Any) -> Consumer
         "session.timeout.ms": 10_000,
         "fetch.max.bytes": 64 * 1024 * 1024,
         "max.partition.fetch.bytes": 10 * 1024 * 1024,
+        "logger": KafkaLog(),
         **overrides,
     })
     return Consumer(conf)
