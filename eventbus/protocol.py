@@ -228,8 +228,13 @@ class NodeCounters(Struct, forbid_unknown_fields=False):
     events_overflowed: NonNegInt = 0
 
 
-class NodeStats(_Strict):
-    """Heartbeat on ``node-stats`` every ≤ 2 s, keyed by ``node_id``."""
+class NodeStats(_Strict, omit_defaults=True):
+    """Heartbeat on ``node-stats`` every ≤ 2 s, keyed by ``node_id``.
+
+    Fields at their default are left out of the JSON (``active_blocks`` 0, ``status`` ``live``):
+    a heartbeat carries ``status`` only when it says goodbye, so a consumer that decodes strictly
+    and predates the field refuses only that last heartbeat.
+    """
 
     schema_version: Literal[1]
     node_id: NodeName
@@ -245,6 +250,8 @@ class NodeStats(_Strict):
     last_event_id: Annotated[int, Meta(ge=-1, description="-1 before the first event")]
     active_blocks: Annotated[int, Meta(ge=0, description="GPU blocks held by running requests")] = 0
     counters: NodeCounters = msgspec.field(default_factory=NodeCounters)
+    status: Annotated[Literal["live", "stopping"], Meta(
+        description="stopping: the node's last heartbeat, sent as it stops (it is gone at once)")] = "live"
 
 
 class ControlCommand(_Strict):

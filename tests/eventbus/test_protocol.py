@@ -7,6 +7,7 @@ import os
 import random
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from eventbus import protocol as p
@@ -157,6 +158,44 @@ def test_node_stats_and_control_round_trip():
     assert p.decode_control(p.encode(cmd)) == cmd
     with pytest.raises(p.ProtocolError):
         p.decode_stats(p.encode(stats).replace(b'"capacity":[10,20]', b'"capacity":[10]'))
+
+
+def test_a_heartbeat_says_stopping_only_in_a_goodbye():
+    """NodeStats.status: "live" by default and then left out of the JSON (a consumer that decodes
+    strictly and predates the field accepts every heartbeat but the goodbye); "stopping" is the
+    last heartbeat of a node that stops."""
+    stats = p.NodeStats(schema_version=1, node_id="node-a", instance_id="i1", url="http://n", model="m",
+                        block_size=32, ts=1.5, capacity=[10, 0], used=[3, 0], active_requests=0, queued_requests=0,
+                        last_event_id=5, active_blocks=2)
+    assert stats.status == "live"
+    assert b'"status"' not in p.encode(stats) and b'"active_blocks":2' in p.encode(stats)
+    bye = msgspec.structs.replace(stats, status="stopping")
+    assert json.loads(p.encode(bye))["status"] == "stopping"
+    assert p.decode_stats(p.encode(bye)) == bye
+    assert p.decode_stats(p.encode(stats)) == stats
+    with pytest.raises(p.ProtocolError) as info:
+        p.decode_stats(p.encode(stats)[:-1] + b',"status":"gone"}')
+    assert info.value.reason == "invalid"
+    # As a consumer of the schema before the field decodes: every heartbeat but the goodbye.
+    old = msgspec.defstruct("OldNodeStats", [(f, t, d) if d is not msgspec.NODEFAULT else (f, t)
+                                             for f, t, d in _fields(p.NodeStats) if f != "status"],
+                            forbid_unknown_fields=True)
+    msgspec.json.decode(p.encode(stats), type=old)
+    with pytest.raises(msgspec.ValidationError, match="status"):
+        msgspec.json.decode(p.encode(bye), type=old)
+
+
+def _fields(tp: type) -> list[tuple[str, object, object]]:
+    """(name, type, default) of a struct's fields, for msgspec.defstruct."""
+    out: list[tuple[str, object, object]] = []
+    for f in msgspec.structs.fields(tp):
+        if f.default is not msgspec.NODEFAULT:
+            out.append((f.name, f.type, f.default))
+        elif f.default_factory is not msgspec.NODEFAULT:
+            out.append((f.name, f.type, msgspec.field(default_factory=f.default_factory)))
+        else:
+            out.append((f.name, f.type, msgspec.NODEFAULT))
+    return out
 
 
 def test_published_json_schemas_are_up_to_date():
