@@ -19,7 +19,8 @@ same instance) is a redelivery and changes nothing; the new ``last_event_id`` is
 same transaction as the blocks. A gap in ``event_id`` puts the node in ``resyncing`` (its later
 events are recorded in the history but not applied) until a ``snapshot`` heals it; the caller asks
 the node for one. A batch of an older instance than the current one (by its first batch's
-timestamp) is a stale replay and ignored.
+timestamp) is a stale replay and ignored. A node gone because it said goodbye (a stopping
+heartbeat) stays gone: the later events of that instance are history only.
 
 Pure: no I/O, so every rule is unit-tested exactly (``tests/state_store/test_apply.py``).
 """
@@ -128,7 +129,8 @@ class NodeCache:
 
     def expected(self, node_ids: Iterable[NodeId]) -> Expected:
         """Where the database must be for a plan made from this cache to apply."""
-        return {n: (r.instance_id, r.last_event_id) if (r := self.nodes.get(n)) else None for n in node_ids}
+        return {n: (r.instance_id, r.last_event_id, r.status == GONE) if (r := self.nodes.get(n)) else None
+                for n in node_ids}
 
     def clear(self) -> None:
         self.nodes.clear()
@@ -207,19 +209,22 @@ class Planner:
         if not events:
             c.duplicates += 1
             return
-        status = self._status_before(row, events[0])
-        for ev in events:
-            d = ev.data
-            if isinstance(d, Updated):
-                status = self._updated(view, row.instance_id, ev, d, status, batch_ts)
-            elif isinstance(d, Removed):
-                status = self._removed(view, row.instance_id, ev, d, status, batch_ts)
-            elif isinstance(d, Stored):
-                status = self._stored(view, row.instance_id, ev, d, status, batch_ts)
-            elif isinstance(d, Snapshot):
-                status = self._snapshot(view, row, ev, d, status, batch_ts)
-            else:
-                row, status = self._created(view, row, ev, d, batch_ts), LIVE
+        if row.status == GONE and row.stopped_at is not None:
+            status = self._after_goodbye(view, row, events, batch_ts)
+        else:
+            status = self._status_before(row, events[0])
+            for ev in events:
+                d = ev.data
+                if isinstance(d, Updated):
+                    status = self._updated(view, row.instance_id, ev, d, status, batch_ts)
+                elif isinstance(d, Removed):
+                    status = self._removed(view, row.instance_id, ev, d, status, batch_ts)
+                elif isinstance(d, Stored):
+                    status = self._stored(view, row.instance_id, ev, d, status, batch_ts)
+                elif isinstance(d, Snapshot):
+                    status = self._snapshot(view, row, ev, d, status, batch_ts)
+                else:
+                    row, status = self._created(view, row, ev, d, batch_ts), LIVE
         c.events += len(events)
         row = replace(row, last_event_id=events[-1].event_id, status=status,
                       window_size=events[-1].window_size)
@@ -257,6 +262,32 @@ class Planner:
             self.out.counts.gaps += 1
             status = self._resync(row.node_id)
         return status
+
+    def _after_goodbye(self, view: _NodeView, row: NodeRow, events: Sequence[Event], batch_ts: datetime) -> str:
+        """Events of an instance that said goodbye (its stopping heartbeat came first: Kafka orders
+        nothing across topics, and a node's last events may trail its goodbye): recorded in the
+        history, not applied, nothing asked; the node stays gone."""
+        history = self.out.history
+        for ev in events:
+            d = ev.data
+            if isinstance(d, Updated):
+                self._updated(view, row.instance_id, ev, d, RESYNCING, batch_ts)  # RESYNCING: history only
+            elif isinstance(d, Removed):
+                self._removed(view, row.instance_id, ev, d, RESYNCING, batch_ts)
+            elif isinstance(d, Stored):
+                self._stored(view, row.instance_id, ev, d, RESYNCING, batch_ts)
+            elif isinstance(d, Snapshot):
+                for seq, sb in enumerate(d.blocks):
+                    history.append(_row(row, ev.event_id, seq, "snapshot", to_sql(sb.block_hash),
+                                        to_sql(sb.parent_hash) if sb.parent_hash is not None else None, None,
+                                        sb.cache_level, None, sb.priority, sb.num_tokens, sb.lora_id, None, batch_ts))
+                if not d.blocks:
+                    history.append(_row(row, ev.event_id, 0, "snapshot", None, None, None, None, None, None, None,
+                                        None, None, batch_ts))
+            else:
+                history.append(_row(row, ev.event_id, 0, "created", None, None, None, None, None, None, None, None,
+                                    None, batch_ts))
+        return GONE
 
     def _resync(self, node: NodeId) -> str:
         self.out.resync.add(node)

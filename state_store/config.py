@@ -86,6 +86,12 @@ class MaterializerSettings(BaseSettings):
     gone_after_s: float = Field(default=60.0, gt=0, description="Stale this long: gone, its blocks cleared.")
     retention_days: float = Field(default=7.0, gt=0, description="History kept in block_events.")
     resync_cooldown_s: float = Field(default=5.0, ge=0, description="Ask a node for a snapshot at most this often.")
+    resync_retry_s: float = Field(default=5.0, gt=0, description="A node still resyncing this long after a snapshot "
+                                                                 "request is asked again; each wait twice the last.")
+    resync_retry_max_s: float = Field(default=60.0, gt=0, description="The longest wait between two snapshot "
+                                                                      "requests to a node that stays resyncing.")
+    prune_gone_after_s: float = Field(default=3600.0, ge=0, description="A node gone (and silent) this long loses "
+                                                                        "its nodes row; its history stays (0: never).")
     web_host: str = Field(default="127.0.0.1", description="Bind address of /healthz and /metrics.")
     web_port: int = Field(default=6066, description="Port of /healthz and /metrics (0: no web server).")
     pool_size: int = Field(default=2, ge=1, description="Database connections.")

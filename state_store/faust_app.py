@@ -136,6 +136,10 @@ def build_app(kafka: KafkaSettings | None = None, db: DatabaseSettings | None = 
     async def liveness() -> None:
         await mat.liveness()
 
+    @app.timer(interval=1.0)
+    async def resync_repeats() -> None:
+        await mat.repeat_resyncs()
+
     @app.timer(interval=600.0)
     async def maintenance() -> None:
         await mat.maintenance()

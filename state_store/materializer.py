@@ -79,8 +79,10 @@ class StoreWriter(PlanWriter, Protocol):
     """The database side the materializer uses (:class:`state_store.writer.Writer`)."""
 
     async def apply(self, batches: Sequence[EventBatch]) -> Applied: ...
-    async def apply_stats(self, stats: Sequence[NodeStats]) -> None: ...
+    async def apply_stats(self, stats: Sequence[NodeStats]) -> list[NodeId]: ...
     async def mark_liveness(self, stale_after_s: float, gone_after_s: float) -> list[NodeId]: ...
+    async def prune_gone(self, after_s: float) -> list[NodeId]: ...
+    async def repeat_resyncs(self, retry_s: float, retry_max_s: float) -> list[tuple[NodeId, int]]: ...
     async def run_maintenance(self, retention_days: float) -> None: ...
     async def reset_pool(self) -> None: ...
     async def ping(self, timeout_s: float = 1.0) -> None: ...
@@ -206,14 +208,35 @@ class Materializer:
         self._database_answered()
         return applied.resync_now
 
-    async def ask_for_snapshots(self, nodes: Sequence[NodeId]) -> None:
-        """A ``resync`` command to each node on the control topic."""
+    async def ask_for_snapshots(self, nodes: Sequence[NodeId], reason: str = "event_id gap") -> None:
+        """A ``resync`` command to each node on the control topic. It never raises: a command that
+        cannot be sent is logged, and asked again while the node resyncs (:meth:`repeat_resyncs`),
+        as is one the node never reads."""
         for node in nodes:
             self.metrics.resyncs.inc()
-            log.info("asking %s for a snapshot", node)
-            cmd = ControlCommand(schema_version=1, node_id=node, command="resync", reason="event_id gap",
-                                 ts=time.time())
-            await self.outbox.send_control(node.encode(), encode(cmd))
+            log.info("asking %s for a snapshot (%s)", node, reason)
+            cmd = ControlCommand(schema_version=1, node_id=node, command="resync", reason=reason, ts=time.time())
+            try:
+                await self.outbox.send_control(node.encode(), encode(cmd))
+            except Exception as exc:  # whatever the producer says: the repeat asks again
+                log.warning("could not send a resync command to %s (%s: %s); it is repeated while the node "
+                            "resyncs", node, type(exc).__name__, exc)
+
+    async def repeat_resyncs(self) -> None:
+        """Ask again the nodes still ``resyncing`` long after their last snapshot request (the
+        command may have been lost: a node's control listener reads only what is new), after a
+        backoff that doubles with each request (``resync_retry_s`` … ``resync_retry_max_s``)."""
+        s = self.settings
+        try:
+            due = await self.writer.repeat_resyncs(s.resync_retry_s, s.resync_retry_max_s)
+        except TRANSIENT as exc:
+            self._database_failed()
+            log.debug("resync repeats skipped: %s", exc)
+            return
+        self._database_answered()
+        for node, attempt in due:
+            self.metrics.resync_repeats.inc()
+            await self.ask_for_snapshots([node], f"still resyncing: request {attempt}")
 
     async def to_dlq(self, bad: Sequence[Rejected]) -> None:
         """Each bad message to the DLQ, delivered before the originals are acknowledged. It never
@@ -254,8 +277,12 @@ class Materializer:
         if bad:
             await self.to_dlq(bad)
         if good:
-            await self.retrying(lambda: self.writer.apply_stats(good))
+            gone = await self.retrying(lambda: self.writer.apply_stats(good))
             self.metrics.stats.inc(len(good))
+            if gone:
+                self.metrics.goodbyes.inc(len(gone))
+                log.info("%s said goodbye: gone, blocks cleared", ", ".join(gone))
+                self._forget_nodes()
 
     # ------------------------------------------------------------------ the database
 
@@ -279,10 +306,12 @@ class Materializer:
         self._db_ok_at = None
 
     async def liveness(self) -> None:
-        """Mark silent nodes stale, and long-stale ones gone (their blocks cleared)."""
+        """Mark silent nodes stale, and long-stale ones gone (their blocks cleared); delete the
+        rows of nodes gone for ``prune_gone_after_s`` (their history stays)."""
         s = self.settings
         try:
             gone = await self.writer.mark_liveness(s.stale_after_s, s.gone_after_s)
+            pruned = await self.writer.prune_gone(s.prune_gone_after_s) if s.prune_gone_after_s > 0 else []
         except TRANSIENT as exc:
             self._database_failed()
             log.debug("liveness check skipped: %s", exc)
@@ -290,6 +319,17 @@ class Materializer:
         self._database_answered()
         for node in gone:
             log.info("node %s is gone: its blocks were cleared", node)
+        if pruned:
+            self.metrics.pruned.inc(len(pruned))
+            log.info("pruned %s: gone for %.0f s (history kept)", ", ".join(pruned), s.prune_gone_after_s)
+        if gone or pruned:
+            self._forget_nodes()
+
+    def _forget_nodes(self) -> None:
+        """Nodes changed under the worker's cache (gone: blocks cleared; pruned: no row): drop it,
+        so that their next batches are planned from the database. (Rare; a plan already made
+        from the old cache is caught by the writer's check, ``Writer.apply_planned``.)"""
+        self.pipeline.planner.invalidate()
 
     async def maintenance(self) -> None:
         """Partitions of ``block_events`` ahead, and retention."""

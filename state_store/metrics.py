@@ -22,6 +22,12 @@ class Metrics:
         self.anomalies = Counter("kvflow_materializer_anomalies_total", "Events contradicting the stored state",
                                  registry=r)
         self.resyncs = Counter("kvflow_materializer_resync_requests_total", "Snapshots requested", registry=r)
+        self.resync_repeats = Counter("kvflow_materializer_resync_repeats_total",
+                                      "Snapshot requests repeated (the node stayed resyncing)", registry=r)
+        self.goodbyes = Counter("kvflow_materializer_goodbyes_total", "Nodes gone by their stopping heartbeat",
+                                registry=r)
+        self.pruned = Counter("kvflow_materializer_nodes_pruned_total", "Rows of long-gone nodes deleted",
+                              registry=r)
         self.dlq = Counter("kvflow_materializer_dlq_total", "Messages sent to the DLQ", ["reason"], registry=r)
         self.db_retries = Counter("kvflow_materializer_db_retries_total", "Transactions retried", registry=r)
         self.stats = Counter("kvflow_materializer_node_stats_total", "NodeStats applied", registry=r)

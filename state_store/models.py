@@ -49,6 +49,8 @@ class Node(Base):
     last_stats_at: Mapped[datetime | None] = mapped_column(TZ)
     status_changed_at: Mapped[datetime] = mapped_column(TZ, server_default=text("now()"))
     resync_requested_at: Mapped[datetime | None] = mapped_column(TZ)
+    resync_attempts: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    stopped_at: Mapped[datetime | None] = mapped_column(TZ)
     updated_at: Mapped[datetime] = mapped_column(TZ, server_default=text("now()"))
 
 

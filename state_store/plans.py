@@ -23,9 +23,9 @@ from eventbus.protocol import InstanceId, NodeId, SqlBlockHash
 
 #: A ``node_blocks`` row's key.
 BlockKey = tuple[NodeId, SqlBlockHash]
-#: Where a node's row must be for a plan made from a cache to apply: (instance_id, last_event_id),
-#: None for no row.
-Expected = dict[NodeId, tuple[InstanceId, int] | None]
+#: Where a node's row must be for a plan made from a cache to apply: (instance_id, last_event_id,
+#: whether it is gone), None for no row.
+Expected = dict[NodeId, tuple[InstanceId, int, bool] | None]
 
 #: ``nodes.status`` values.
 LIVE, STALE, RESYNCING, GONE = "live", "stale", "resyncing", "gone"
@@ -43,6 +43,9 @@ class NodeRow:
     window_size: int | None = None
     capacity_gpu: int = 0
     capacity_host: int = 0
+    #: when this instance said goodbye (a stopping heartbeat), else None; read only (the writer
+    #: sets it, a new instance clears it)
+    stopped_at: datetime | None = None
 
 
 class BlockRow(NamedTuple):

@@ -28,6 +28,7 @@ from state_store.apply import blocks_to_look_up, plan
 from state_store.config import plain_dsn
 from state_store.pgtime import from_pg_micros, pg_micros
 from state_store.plans import (
+    GONE,
     HISTORY_COLUMNS,
     BlockKey,
     BlockRow,
@@ -148,7 +149,9 @@ class Writer:
 
     async def apply_planned(self, p: Plan, expected: Expected) -> Applied:
         """Write a plan made from a NodeCache, after checking under lock that the database is where
-        the cache was (``expected``: node -> (instance_id, last_event_id), None: no row).
+        the cache was (``expected``: node -> (instance_id, last_event_id, gone), None: no row). A
+        node the database has marked gone (silent, or it said goodbye) since the cache saw it is
+        not where the cache was: its blocks were cleared.
 
         Raises:
             StaleCache: it is not; nothing was written.
@@ -160,7 +163,7 @@ class Writer:
                 await conn.execute(sql.LOCK_NODES, node_ids)
             rows = await conn.fetch(sql.SELECT_NODES, node_ids)
             for r in rows:
-                have = None if r["instance_id"] == "" else (r["instance_id"], r["last_event_id"])
+                have = None if r["instance_id"] == "" else (r["instance_id"], r["last_event_id"], r["status"] == GONE)
                 if have != expected[r["node_id"]]:
                     raise StaleCache(f"{r['node_id']}: database at {have}, cache at {expected[r['node_id']]}")
             if len(rows) != len(node_ids):
@@ -181,9 +184,11 @@ class Writer:
         async with pool.acquire() as conn:
             return await fn(conn)
 
-    async def apply_stats(self, stats: Sequence[NodeStats]) -> None:
+    async def apply_stats(self, stats: Sequence[NodeStats]) -> list[NodeId]:
         """Heartbeats, in one transaction: each node's newest into ``nodes``, every one into
-        ``node_stats_samples``."""
+        ``node_stats_samples``. A node whose newest says ``stopping`` is gone at once (its blocks
+        cleared; once per instance, and only for the instance its row holds). Returns the nodes
+        gone now."""
         latest: dict[str, NodeStats] = {}
         for s in stats:
             if s.node_id not in latest or s.ts >= latest[s.node_id].ts:
@@ -196,7 +201,8 @@ class Writer:
                 [s.model for s in rows], [s.block_size for s in rows], [s.capacity[0] for s in rows],
                 [s.capacity[1] for s in rows], [s.used[0] for s in rows], [s.used[1] for s in rows],
                 [s.active_requests for s in rows], [s.queued_requests for s in rows],
-                [s.last_event_id for s in rows], [_json(s.counters) for s in rows], [s.active_blocks for s in rows])
+                [s.last_event_id for s in rows], [_json(s.counters) for s in rows], [s.active_blocks for s in rows],
+                [s.status == "stopping" for s in rows])
             await conn.execute(
                 sql.STATS_SAMPLES, [s.node_id for s in stats], [s.instance_id for s in stats],
                 [datetime.fromtimestamp(s.ts, tz=UTC) for s in stats], [s.capacity[0] for s in stats],
@@ -204,6 +210,11 @@ class Writer:
                 [s.active_requests for s in stats], [s.queued_requests for s in stats],
                 [s.counters.prompt_tokens for s in stats], [s.counters.cached_tokens for s in stats],
                 [_json(s.counters) for s in stats])
+            bye = [s for s in rows if s.status == "stopping"]
+            if not bye:
+                return []
+            return [NodeId(r["node_id"]) for r in await conn.fetch(
+                sql.GOODBYE, [s.node_id for s in bye], [s.instance_id for s in bye])]
 
     async def mark_liveness(self, stale_after_s: float, gone_after_s: float) -> list[NodeId]:
         """live/resyncing → stale after ``stale_after_s`` of silence; stale → gone (blocks
@@ -211,6 +222,22 @@ class Writer:
         pool = await self.pool()
         async with pool.acquire() as conn:
             return [NodeId(r["node_id"]) for r in await conn.fetch(sql.LIVENESS, stale_after_s, gone_after_s)]
+
+    async def prune_gone(self, after_s: float) -> list[NodeId]:
+        """Delete the rows of nodes gone and silent for ``after_s`` (their history stays; one
+        that comes back is a new node). Returns the nodes pruned."""
+        pool = await self.pool()
+        async with pool.acquire() as conn:
+            return [NodeId(r["node_id"]) for r in await conn.fetch(sql.PRUNE_GONE, after_s)]
+
+    async def repeat_resyncs(self, retry_s: float, retry_max_s: float) -> list[tuple[NodeId, int]]:
+        """The nodes still resyncing whose last snapshot request is older than its backoff
+        (``retry_s`` doubled per request sent, at most ``retry_max_s``), claimed for a request
+        now: (node, the number of that request)."""
+        pool = await self.pool()
+        async with pool.acquire() as conn:
+            return [(NodeId(r["node_id"]), r["resync_attempts"])
+                    for r in await conn.fetch(sql.REPEAT_RESYNC, retry_s, retry_max_s)]
 
     async def run_maintenance(self, retention_days: float) -> None:
         """Partitions ahead and retention, by one worker at a time (advisory lock)."""

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import asyncpg
 
 from eventbus.config import KafkaSettings
-from eventbus.protocol import from_sql
+from eventbus.protocol import InstanceId, NodeCounters, NodeId, NodeStats, from_sql
 from eventbus.replay import BlockState
 from inference_node.kv.clock import ManualClock
 from inference_node.kv.manager import KvCacheConfig, KVCacheManager, OutOfBlocks
@@ -173,6 +173,24 @@ class CoreNode:
         from eventbus.replay import NodeState
 
         return NodeState.from_snapshot_blocks(self.core.cached_blocks())
+
+
+def heartbeat(node: CoreNode, status: str = "live") -> NodeStats:
+    """The NodeStats an in-process node's engine would send now (``status``: live, or stopping
+    for its goodbye)."""
+    stats = node.core.stats
+    return NodeStats(schema_version=1, node_id=NodeId(node.node_id), instance_id=InstanceId(node.instance_id),
+                     url=f"http://{node.node_id}.invalid", model="m", block_size=4, ts=time.time(),
+                     capacity=[node.core.config.num_gpu_blocks, node.core.config.num_host_blocks], used=[0, 0],
+                     active_requests=len(node.active), queued_requests=0, last_event_id=node.core.last_event_id,
+                     counters=NodeCounters(prompt_tokens=stats.prompt_tokens, cached_tokens=stats.cached_tokens),
+                     status=status)  # type: ignore[arg-type]
+
+
+def send_heartbeat(node: CoreNode, status: str = "live") -> None:
+    """Send :func:`heartbeat` on the node's Kafka sink, delivered."""
+    node.sink.send_stats(heartbeat(node, status))
+    assert node.sink.flush(30) == 0
 
 
 async def _fetch(url: str, sql: str, *args: Any) -> list[asyncpg.Record]:

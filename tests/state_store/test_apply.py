@@ -8,7 +8,7 @@ import pytest
 
 from eventbus import protocol as p
 from state_store.apply import blocks_to_look_up, plan, ts
-from state_store.plans import LIVE, RESYNCING, BlockRow, NodeRow
+from state_store.plans import GONE, LIVE, RESYNCING, BlockRow, NodeRow
 
 T0 = 1_700_000_000.0
 
@@ -174,6 +174,25 @@ def test_an_events_hashes_convert_to_sql_as_each_one_does():
     hashes = [0, 1, (1 << 63) - 1, 1 << 63, (1 << 64) - 1]
     assert p.to_sql_list(hashes) == [p.to_sql(h) for h in hashes] == [0, 1, (1 << 63) - 1, -(1 << 63), -1]
     assert [p.from_sql(v) for v in p.to_sql_list(hashes)] == hashes
+
+
+def test_a_node_that_said_goodbye_stays_gone_and_its_late_events_are_history_only():
+    """Its stopping heartbeat was consumed before its last events (another topic)."""
+    node = NodeRow("n", "i1", 3, GONE, ts(T0), stopped_at=ts(T0 + 1))
+    snap = p.Snapshot(blocks=[p.SnapshotBlock(block_hash=5, parent_hash=None, num_tokens=4)])
+    b = batch("n", "i1", 4, stored(None, 1, 2), p.Removed(block_hashes=[2]),
+              p.Updated(block_hash=1, cache_level=p.LevelDiff(old=0, new=1)), snap, CREATED)
+    out = plan([b, batch("n", "i1", 20, stored(None, 9))], {"n": node}, {})  # a gap changes nothing either
+    assert out.nodes["n"].status == GONE and out.nodes["n"].last_event_id == 20
+    assert (out.upserts, out.deletes, out.resets, out.resync) == ({}, set(), set(), set())
+    assert (out.counts.gaps, out.counts.anomalies, out.counts.events) == (0, 0, 6)
+    assert [(r[2], r[3], r[4], r[5]) for r in out.history] == [
+        (4, 0, "stored", 1), (4, 1, "stored", 2), (5, 0, "removed", 2), (6, 0, "updated", 1), (7, 0, "snapshot", 5),
+        (8, 0, "created", None), (20, 0, "stored", 9)]
+    # Its next instance starts clean.
+    out = plan([batch("n", "i2", 0, CREATED, stored(None, 1))], {"n": node}, {})
+    assert out.nodes["n"].status == LIVE and out.nodes["n"].stopped_at is None
+    assert set(out.upserts) == {("n", 1)} and out.resets == {"n"}
 
 
 def test_a_gone_node_that_speaks_again_needs_a_snapshot():

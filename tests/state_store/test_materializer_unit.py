@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import msgspec
 import pytest
 
 from eventbus import protocol as p
@@ -71,6 +72,10 @@ class Writer:
         self.planned: list[Plan] = []
         self.stats: list[p.NodeStats] = []
         self.pings = self.resets = 0
+        self.gone: list[str] = []  # what the next liveness check marks gone
+        self.pruned: list[str] = []  # ... and prunes
+        self.due: list[tuple[str, int]] = []  # what the next repeat_resyncs claims
+        self.prune_calls: list[float] = []
 
     def _fail_transiently(self) -> None:
         if self.transient:
@@ -83,7 +88,7 @@ class Writer:
         self.applied.append([b.node_id for b in batches])
         return Applied(plan(batches, {}, {}), self.resync_now)
 
-    async def apply_planned(self, pl: Plan, expected: dict[str, tuple[str, int] | None]) -> Applied:
+    async def apply_planned(self, pl: Plan, expected: dict[str, tuple[str, int, bool] | None]) -> Applied:
         self._fail_transiently()
         if self.stale:
             self.stale -= 1
@@ -94,13 +99,26 @@ class Writer:
     async def load(self, node_ids: Sequence[str]) -> tuple[list[NodeRow], list[BlockRow]]:
         return [], []
 
-    async def apply_stats(self, stats: Sequence[p.NodeStats]) -> None:
+    async def apply_stats(self, stats: Sequence[p.NodeStats]) -> list[str]:
         self._fail_transiently()
         self.stats += stats
+        return sorted({s.node_id for s in stats if s.status == "stopping"})
 
     async def mark_liveness(self, stale_after_s: float, gone_after_s: float) -> list[str]:
         self._fail_transiently()
-        return []
+        gone, self.gone = self.gone, []
+        return gone
+
+    async def prune_gone(self, after_s: float) -> list[str]:
+        self._fail_transiently()
+        self.prune_calls.append(after_s)
+        pruned, self.pruned = self.pruned, []
+        return pruned
+
+    async def repeat_resyncs(self, retry_s: float, retry_max_s: float) -> list[tuple[str, int]]:
+        self._fail_transiently()
+        due, self.due = self.due, []
+        return due
 
     async def run_maintenance(self, retention_days: float) -> None:
         self._fail_transiently()
@@ -326,3 +344,66 @@ async def test_a_commit_makes_the_database_count_as_reachable_without_asking():
     await m.committed(Applied(plan([batch("n")], {}, {}), []), 0.01)
     assert (await m.health(partitions_assigned=1)).status_code == 200
     assert w.pings == 0
+
+
+@dataclass
+class FlakyOutbox(Outbox):
+    """A control topic whose first send fails."""
+
+    failures: int = 1
+
+    async def send_control(self, key: bytes, value: bytes) -> None:
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("producer buffer full")
+        await super().send_control(key, value)
+
+
+async def test_nodes_still_resyncing_are_asked_again_and_a_failed_send_stops_nothing():
+    m, w, o = make(outbox=FlakyOutbox())
+    w.due = [("n", 2), ("m", 3)]  # what the database says is due (its backoff: test_writer_nodes)
+    await m.repeat_resyncs()
+    assert [key for key, _ in o.control] == [b"m"]  # n's send failed: logged, asked again later
+    cmd = p.decode_control(o.control[0][1])
+    assert (cmd.node_id, cmd.command, cmd.reason) == ("m", "resync", "still resyncing: request 3")
+    assert sample(m, "kvflow_materializer_resync_repeats_total") == 2
+    await m.repeat_resyncs()  # nothing due
+    assert len(o.control) == 1
+    w.transient = [OSError("connection refused")]
+    await m.repeat_resyncs()  # skipped without the database
+    assert not m.db_ok
+    # A commit's requests do not fail the take either.
+    o.failures = 1
+    await m.committed(Applied(plan([batch("x")], {}, {}), ["x", "y"]), 0.01)
+    assert [key for key, _ in o.control] == [b"m", b"y"]
+
+
+async def test_a_goodbye_is_decoded_and_drops_the_workers_cache():
+    m, w, o = make()
+    gen = m.pipeline.planner.generation
+    bye = msgspec.structs.replace(stats("a"), status="stopping")
+    await m.handle_stats([Event(Message(key=b"a", value=p.encode(bye))), Event(Message(key=b"b", value=p.encode(
+        stats("b"))))])
+    assert o.dlq == []
+    assert [(s.node_id, s.status) for s in w.stats] == [("a", "stopping"), ("b", "live")]
+    assert m.pipeline.planner.generation == gen + 1  # its next batches are planned from the database
+    assert sample(m, "kvflow_materializer_goodbyes_total") == 1
+    await m.handle_stats([Event(Message(key=b"b", value=p.encode(stats("b"))))])
+    assert m.pipeline.planner.generation == gen + 1
+
+
+async def test_liveness_prunes_long_gone_nodes_and_drops_the_cache_when_nodes_go_or_are_pruned():
+    m, w, _ = make()
+    gen = m.pipeline.planner.generation
+    await m.liveness()
+    assert w.prune_calls == [3600.0] and m.pipeline.planner.generation == gen
+    w.gone = ["a"]
+    await m.liveness()
+    assert m.pipeline.planner.generation == gen + 1
+    w.pruned = ["b", "c"]
+    await m.liveness()
+    assert m.pipeline.planner.generation == gen + 2
+    assert sample(m, "kvflow_materializer_nodes_pruned_total") == 2
+    never = Materializer(MaterializerSettings(prune_gone_after_s=0, group_id="g"), w, Outbox())
+    await never.liveness()
+    assert w.prune_calls == [3600.0] * 3  # 0: never pruned

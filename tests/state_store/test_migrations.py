@@ -38,7 +38,7 @@ def _objects(url: str) -> tuple[set[str], set[str]]:
 def test_upgrade_downgrade_upgrade(database_url):
     upgrade("head", url=database_url)
     assert _objects(database_url) == (TABLES, VIEWS)
-    assert asyncio.run(current(url=database_url)) == "0003"
+    assert asyncio.run(current(url=database_url)) == "0004"
 
     downgrade("base", url=database_url)
     assert _objects(database_url) == (set(), set())
@@ -46,6 +46,24 @@ def test_upgrade_downgrade_upgrade(database_url):
 
     upgrade("head", url=database_url)
     assert _objects(database_url) == (TABLES, VIEWS)
+
+
+def test_0004_adds_and_drops_the_nodes_resync_and_goodbye_columns(database_url):
+    def columns() -> set[str]:
+        rows = asyncio.run(_fetch(database_url, """SELECT column_name FROM information_schema.columns
+                                                   WHERE table_name = 'nodes'"""))
+        return {r["column_name"] for r in rows}
+
+    upgrade("0003", url=database_url)
+    asyncio.run(_fetch(database_url, "INSERT INTO nodes (node_id, instance_id) VALUES ('n', 'i') RETURNING 1"))
+    assert not columns() & {"resync_attempts", "stopped_at"}
+    upgrade("head", url=database_url)
+    assert {"resync_attempts", "stopped_at"} <= columns()
+    row = asyncio.run(_fetch(database_url, "SELECT resync_attempts, stopped_at FROM nodes"))[0]
+    assert (row["resync_attempts"], row["stopped_at"]) == (0, None)  # existing rows get the defaults
+    downgrade("0003", url=database_url)
+    assert not columns() & {"resync_attempts", "stopped_at"}
+    assert asyncio.run(current(url=database_url)) == "0003"
 
 
 def test_block_events_is_partitioned_by_day_and_late_partitions_adopt_default_rows(migrated_database_url):
