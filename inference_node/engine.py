@@ -6,7 +6,8 @@ one decode step for every running request in one batched forward (continuous bat
 join and leave between steps), (3) performs the block copies the core asks for (offload to and
 onboard from the host pool, before the forward that needs them), and (4) drains the core's events
 to the publisher. ``NodeStats`` heartbeats go out from a thread of their own (:class:`Heartbeat`),
-so that a long prefill does not make the node look gone.
+so that a long prefill does not make the node look gone; a node that stops says goodbye with a
+last heartbeat (:meth:`Engine.stop`).
 
 Everything that touches the core or the tensors happens on this thread; the HTTP server talks
 to it through :meth:`Engine.submit` (outputs come back on an asyncio queue) and
@@ -163,7 +164,9 @@ class Engine:
         self.heartbeat.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop the loop and the heartbeats, and publish what is queued."""
+        """Stop the loop and the heartbeats, publish what is queued, and say goodbye: a last
+        heartbeat with ``status`` ``stopping``, so that the node leaves the router's candidates at
+        once (the materializer marks it gone) instead of after the stale timeout."""
         self._stop.set()
         with self._wake:
             self._wake.notify_all()
@@ -171,6 +174,8 @@ class Engine:
             self._thread.join(timeout)
         self.heartbeat.stop()
         self.publisher.pump()
+        if self.started and not self._thread.is_alive() and self.fatal is None:
+            self.publisher.sink.send_stats(msgspec.structs.replace(self.node_stats(), status="stopping"))
         self.publisher.sink.flush(5)
 
     def submit(self, req: GenerationRequest, loop: asyncio.AbstractEventLoop) -> RequestHandle:

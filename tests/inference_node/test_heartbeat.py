@@ -52,3 +52,36 @@ def test_heartbeats_repeat_the_last_stats_while_the_engine_is_busy_and_resume_fr
         wait_for(lambda: len(sink.stats) >= served + 2, 5, what="fresh heartbeats again")
     finally:
         node.close()
+
+
+def test_a_stopping_node_says_goodbye_with_a_last_heartbeat():
+    sink = InMemorySink()
+    node = build_node(NodeSettings(node_id="hb-bye", model_preset="tiny", num_blocks=16, block_size=16,
+                                   heartbeat_s=0.1, kafka=False), sink=sink)
+    wait_for(lambda: sink.stats, 10, what="a heartbeat")
+    node.close()
+    assert [b.status for b in sink.stats][-1] == "stopping"
+    assert {b.status for b in sink.stats[:-1]} == {"live"}
+    assert sink.stats[-1].last_event_id == node.core.last_event_id  # after the last events
+
+
+def test_a_node_process_stopped_with_sigterm_publishes_its_goodbye(kafka_settings, tmp_path):
+    from eventbus.kafka import make_consumer
+    from eventbus.protocol import decode_stats
+    from tests.inference_node.test_node_kafka import start_node
+
+    proc, _ = start_node(kafka_settings, tmp_path, "node-bye")
+    consumer = make_consumer(kafka_settings, group_id="t-node-bye")
+    consumer.subscribe([kafka_settings.stats_topic])
+    try:
+        proc.stop()  # SIGTERM
+        assert proc.proc is not None and proc.proc.returncode == 0
+        beats = []
+        deadline = time.monotonic() + 20
+        while (not beats or beats[-1].status != "stopping") and time.monotonic() < deadline:
+            msg = consumer.poll(0.5)
+            if msg is not None and msg.error() is None:
+                beats.append(decode_stats(msg.value()))
+        assert beats and beats[-1].node_id == "node-bye" and beats[-1].status == "stopping"
+    finally:
+        consumer.close()
