@@ -10,7 +10,16 @@ from confluent_kafka import Producer
 
 from eventbus import protocol as p
 from eventbus.kafka import make_consumer
-from tests.support import CoreNode, applied_through, history_duplicates, materializer, node_row, sql_blocks, wait_for
+from tests.support import (
+    CoreNode,
+    applied_through,
+    fetch,
+    history_duplicates,
+    materializer,
+    node_row,
+    sql_blocks,
+    wait_for,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -83,10 +92,21 @@ def test_bad_messages_go_to_the_dlq_and_replays_change_nothing(kafka_settings, m
         restarted.finish()
         wait_for(lambda: applied_through(db, restarted), 60, what="the new instance")
         late = sent[-1]
-        producer.produce(kafka_settings.events_topic, key=b"node-b", value=p.encode(late))
+        history = fetch(db, "SELECT count(*) AS c FROM block_events WHERE node_id = 'node-b'")[0]["c"]
+        partitions: list[int] = []
+        producer.produce(kafka_settings.events_topic, key=b"node-b", value=p.encode(late),
+                         on_delivery=lambda err, msg: partitions.append(msg.partition()))
+        assert producer.flush(30) == 0 and len(partitions) == 1
+        # A marker behind it on its partition (another node's first batch): once the marker is in
+        # SQL, the late batch was consumed and planned.
+        marker = p.EventBatch(schema_version=1, node_id="marker", instance_id="m", ts=time.time(), events=[
+            p.Event(event_id=0, window_size=64, data=p.Created(num_blocks_per_cache_level=[4]))])
+        producer.produce(kafka_settings.events_topic, key=b"marker", value=p.encode(marker), partition=partitions[0])
         assert producer.flush(30) == 0
-        time.sleep(3)
+        wait_for(lambda: node_row(db, "marker"), 30, what="the marker behind the late batch")
         assert sql_blocks(db, "node-b") == restarted.truth()
         assert node_row(db, "node-b")["instance_id"] == restarted.instance_id
+        assert node_row(db, "node-b")["last_event_id"] == restarted.core.last_event_id
+        assert fetch(db, "SELECT count(*) AS c FROM block_events WHERE node_id = 'node-b'")[0]["c"] == history
     finally:
         mat.stop()
