@@ -11,6 +11,10 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
+#: ``cache_salt``'s description: an empty salt is refused (it would silently mean no salt).
+SALT = ("Salt of the first block's hash: only requests with the same salt share cached blocks. Omit it (or "
+        "null) for no salt; an empty string is refused.")
+
 #: A token id as the block identity packs it (u32); a model's vocabulary is checked by the node.
 TokenId = Annotated[StrictInt, Field(ge=0, le=(1 << 32) - 1)]
 
@@ -46,7 +50,7 @@ class CompletionRequest(BaseModel):
     stream: StrictBool = False
     kv_retention: RetentionIn | None = None
     lora_id: StrictInt | None = Field(default=None, ge=0, le=(1 << 63) - 1)
-    cache_salt: str | None = Field(default=None, max_length=256)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256, description=SALT)
     ignore_eos: StrictBool = False
     n: StrictInt = Field(default=1, ge=1, le=1, description="Only 1 is supported.")
     user: str | None = Field(default=None, max_length=256)
@@ -61,4 +65,4 @@ class RouteRequest(BaseModel):
     token_ids: list[TokenId] | None = Field(default=None, max_length=1_000_000, description="Or token ids.")
     lora_id: StrictInt | None = Field(default=None, ge=0, le=(1 << 63) - 1)
     model: str | None = Field(default=None, max_length=256, description="Only nodes serving this model.")
-    cache_salt: str | None = Field(default=None, max_length=256)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256, description=SALT)

@@ -78,6 +78,7 @@ def test_kv_state_is_the_ground_truth_the_events_describe(client):
     ({"prompt": "x" * 1500, "max_tokens": 8}, 400, "needs 95 KV blocks; the node has 64"),
     ({"prompt": "x", "model": "gpt-5"}, 404, "is not served here"),
     ({"max_tokens": 2}, 422, "prompt: Field required"),
+    ({"prompt": "x", "cache_salt": ""}, 422, "cache_salt: String should have at least 1 character"),
 ])
 def test_invalid_requests_get_a_4xx_that_says_why_and_the_node_keeps_serving(client, body, status, fragment):
     r = client.post("/v1/completions", json=body)
