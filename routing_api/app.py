@@ -20,13 +20,14 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
 
 from eventbus.config import Environment, RuntimeSettings
 from eventbus.http import BodyLimit
 from routing_api.config import RouterSettings, parse_api_keys
-from routing_api.errors import on_http, on_invalid
+from routing_api.errors import Unavailable, on_http, on_invalid, on_unavailable
 from routing_api.fastpath import RouterApp
 from routing_api.routes import completions, dashboard, health, nodes, route
 from routing_api.state import Metrics, RouterState
@@ -71,7 +72,8 @@ def create_app(settings: RouterSettings | None = None, database_url: str | None 
     app = RouterApp(title="kvflow routing API", version="1", lifespan=lifespan,
                     description="KV-aware routing over the materialized cache state of an inference fleet.")
     app.exception_handler(RequestValidationError)(on_invalid)
-    app.exception_handler(HTTPException)(on_http)
+    app.exception_handler(HTTPException)(on_http)  # Starlette's: the framework's own 404 and 405 too
+    app.exception_handler(Unavailable)(on_unavailable)
     for module in (route, completions, nodes, dashboard, health):  # in this order (the OpenAPI's)
         app.include_router(module.router)
     app.add_middleware(BodyLimit, max_bytes=s.max_request_bytes)

@@ -46,6 +46,9 @@ class RouterSettings(BaseSettings):
     temperature: float = Field(default=W.temperature, ge=0, description="Softmax sampling temperature (0: argmin).")
     nodes_cache_s: float = Field(default=0.5, ge=0, description="How long the nodes table is cached.")
     suspect_s: float = Field(default=10.0, ge=0, description="How long a node that failed a request is avoided.")
+    account_finished: bool = Field(default=True, description=(
+        "Take the load of the requests this router saw finish off the heartbeat that still counts them "
+        "(false: the heartbeat's load as it is, as before; for comparisons)."))
     upstream_timeout_s: float = Field(default=300.0, gt=0, description="Timeout of a proxied request.")
     recent_decisions: int = Field(default=200, ge=1, description="Decisions kept for the dashboard.")
     max_request_bytes: int = Field(default=4 * 1024 * 1024, description="Largest request body accepted.")

@@ -2,6 +2,11 @@
 fleet, decide (pure, ``routing_api.scoring``), record, and format the answer.
 
 ``POST /v1/route`` answers with the result; ``POST /v1/completions`` proxies to its choice.
+
+Without PostgreSQL (``routing_api.queries.DatabaseUnavailable``) a decision is *degraded*: it
+takes the last fleet read (nodes, URLs, load) and the router's own state, gives no prefix credit,
+and says so (``"degraded": true``, ``kvflow_router_degraded_decisions_total``). A router that has
+never read the fleet answers 503 ``no fleet known yet``.
 """
 
 from __future__ import annotations
@@ -14,10 +19,16 @@ from typing import Any
 from fastapi import HTTPException
 
 from eventbus.hashing import prompt_hash_heads
+from eventbus.protocol import NodeId
+from routing_api.errors import Unavailable
 from routing_api.fleet import FleetView
+from routing_api.queries import DatabaseUnavailable
 from routing_api.schemas import decision_body
-from routing_api.scoring import Decision, decide, overlay
+from routing_api.scoring import Decision, PrefixMatch, decide, overlay
 from routing_api.state import RouterState
+
+#: The reason of a degraded decision starts with this.
+DEGRADED = "degraded (PostgreSQL unreachable): the last known fleet, by load alone"
 
 
 @dataclass(slots=True)
@@ -29,6 +40,8 @@ class Prompt:
     hashes: bytes
     blocks: int
     fleet: FleetView
+    #: the fleet is the last one read: PostgreSQL could not be read for this decision
+    degraded: bool = False
 
 
 @dataclass(slots=True)
@@ -45,6 +58,12 @@ class Routed:
         matched: int = self.body["matched_tokens"]
         return matched
 
+    @property
+    def block_size(self) -> int:
+        """The block size the prompt was hashed in."""
+        size: int = self.body["block_size"]
+        return size
+
 
 async def prepare(state: RouterState, token_ids: Sequence[int] | None, text: str | None, lora_id: int | None,
                   salt: str | None, model: str | None) -> Prompt:
@@ -60,14 +79,21 @@ async def prepare(state: RouterState, token_ids: Sequence[int] | None, text: str
 
     Raises:
         HTTPException: 404 when no node serves ``model``.
+        Unavailable: PostgreSQL could not be read, and never has been (no fleet known yet).
     """
-    rows = await state.reader.nodes()
+    degraded = False
+    try:
+        rows = await state.reader.nodes()
+    except DatabaseUnavailable as exc:
+        if not state.reader.known:
+            raise Unavailable(f"no fleet known yet: {exc.message}") from exc
+        rows, degraded = state.reader.last_nodes, True
     if model is not None and not any(r["model"] == model for r in rows):
         raise HTTPException(404, f"model {model!r} is not served by any node")
     tokens: Sequence[int] = state.tokenizer.encode_compact(text or "") if token_ids is None else token_ids
     fleet = state.fleet.view(rows, model)
     hashes = prompt_hash_heads(tokens, fleet.block_size, lora_id=lora_id, cache_salt=salt)
-    return Prompt(tokens, hashes, len(hashes) // 8, fleet)
+    return Prompt(tokens, hashes, len(hashes) // 8, fleet, degraded)
 
 
 async def route(state: RouterState, token_ids: Sequence[int] | None, text: str | None, lora_id: int | None,
@@ -78,13 +104,30 @@ async def route(state: RouterState, token_ids: Sequence[int] | None, text: str |
 
     Raises:
         HTTPException: 404 when no node serves ``model``.
+        Unavailable: no fleet known yet.
     """
     t0 = time.perf_counter()
     prompt = await prepare(state, token_ids, text, lora_id, salt, model)
-    matches = await state.reader.prefix_matches(prompt.hashes)
-    views = overlay(prompt.fleet.views, state.suspect_until, state.inflight, time.monotonic())
+    matches: dict[NodeId, PrefixMatch] = {}  # none when degraded: load alone
+    if not prompt.degraded:
+        try:
+            matches = await state.reader.prefix_matches(prompt.hashes)
+        except DatabaseUnavailable:
+            prompt.degraded = True  # the query failed: degraded as well
+    views = overlay(prompt.fleet.views, state.suspect_until, state.inflight, time.monotonic(), state.finished)
     decision = decide(prompt.blocks, views, matches, state.weights, state.rng)
+    if prompt.degraded:
+        _degrade(state, decision)
     elapsed = time.perf_counter() - t0
-    body = decision_body(decision, len(prompt.tokens), prompt.blocks, prompt.fleet.block_size, elapsed)
+    body = decision_body(decision, len(prompt.tokens), prompt.blocks, prompt.fleet.block_size, elapsed,
+                         degraded=prompt.degraded, gone_nodes=prompt.fleet.gone)
     state.record_decision(decision, prompt.blocks, len(prompt.tokens), body["matched_tokens"], elapsed)
     return Routed(decision, body, prompt.blocks)
+
+
+def _degrade(state: RouterState, decision: Decision) -> None:
+    """Say that a decision was made without PostgreSQL, and count it."""
+    state.metrics.degraded.inc()
+    decision.reason = f"{DEGRADED}; {decision.reason}"
+    if decision.chosen is not None:
+        decision.chosen.reason = decision.reason

@@ -43,17 +43,21 @@ def fleet_block_size(rows: Sequence[Row]) -> int:
 class FleetView:
     """One read of the ``nodes`` table as a request for ``model`` sees it (derived once per read):
     the block size prompts are hashed in, and every node's view without the router's own state
-    (suspicion, in-flight requests), which each decision lays over it."""
+    (suspicion, in-flight requests), which each decision lays over it. Nodes that are ``gone``
+    are no candidates: only their number is kept."""
 
     block_size: int
     views: tuple[NodeView, ...]
+    #: how many rows are ``gone`` (left out of ``views``)
+    gone: int = 0
 
 
 def fleet_view(rows: Sequence[Row], model: str | None, block_size: int | None = None) -> FleetView:
     """Every node's view for a request of ``model`` (None: any), hashed in ``block_size`` (None: the fleet's).
 
     A node of another model or another block size is ``excluded`` (with the reason); a node known
-    only from its events (no heartbeat has given its URL) is ``unreachable``.
+    only from its events (no heartbeat has given its URL) is ``unreachable``; a ``gone`` node has no
+    view (``FleetView.gone`` counts them).
 
     Args:
         rows: ``nodes`` rows (``routing_api.queries.NODES``).
@@ -62,12 +66,16 @@ def fleet_view(rows: Sequence[Row], model: str | None, block_size: int | None = 
             nodes serving ``model``.
 
     Returns:
-        The block size and one view per row, in the rows' order.
+        The block size, one view per row that is not gone, in the rows' order, and the number gone.
     """
     serving = [r for r in rows if model is None or r["model"] == model]
     size = block_size or fleet_block_size(serving)
     views = []
+    gone = 0
     for r in rows:
+        if r["status"] == "gone":
+            gone += 1
+            continue
         excluded = ""
         if model is not None and r["model"] != model:
             excluded = f"serves {r['model'] or 'an unknown model'}, not {model}"
@@ -76,5 +84,6 @@ def fleet_view(rows: Sequence[Row], model: str | None, block_size: int | None = 
         # a node known from its events only (no heartbeat has said where it is) is unreachable
         status = r["status"] if r["url"] else "unreachable"
         views.append(NodeView(r["node_id"], r["url"] or "", status, r["capacity_gpu"], r["active_blocks"],
-                              r["active_requests"], r["queued_requests"], excluded=excluded))
-    return FleetView(size, tuple(views))
+                              r["active_requests"], r["queued_requests"], excluded=excluded,
+                              stats_ts=float(r.get("stats_ts") or 0.0)))
+    return FleetView(size, tuple(views), gone)

@@ -2,6 +2,11 @@
 
 Endpoint-neutral: ``POST /v1/completions`` uses it, and so can any other OpenAI endpoint that the
 nodes serve under the same path (the body is forwarded as given).
+
+A node whose connection is refused or times out (``httpx.ConnectError``, ``ConnectTimeout``:
+nothing was sent) becomes suspect, and the request goes to the next candidate in the decision's
+order (``Decision.ranked``), up to every eligible one; only when all fail is the answer 502. Any
+other failure (the request was sent: it may have run) is a 502 at once, never sent again.
 """
 
 from __future__ import annotations
@@ -16,15 +21,19 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from routing_api.decisions import Routed
 from routing_api.errors import error_body, error_response
+from routing_api.scoring import Candidate
 from routing_api.state import RouterState
 
 log = logging.getLogger("kvflow.router")
+
+#: Failures before anything was sent: the next candidate may take the request.
+NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
 
 
 async def forward(state: RouterState, routed: Routed, path: str, payload: dict[str, Any], stream: bool) -> Response:
     """Send ``payload`` to ``path`` on the routed node and answer with the node's response.
 
-    The response names the node (``x-kvflow-node``) and its cached prompt tokens
+    The response names the node that answered (``x-kvflow-node``) and its cached prompt tokens
     (``x-kvflow-matched-tokens``). A node's 2xx and 4xx answers pass through; with ``stream`` a
     200 streams through byte for byte.
 
@@ -37,21 +46,44 @@ async def forward(state: RouterState, routed: Routed, path: str, payload: dict[s
 
     Returns:
         The node's answer; 503 when no node was chosen; 502 (``upstream_error``) when the node
-        could not be reached, failed or answered ≥ 500: it is then suspect for ``suspect_s``.
+        failed or answered ≥ 500, or when every candidate refused the connection: a node that
+        failed is suspect for ``suspect_s``.
     """
-    chosen = routed.decision.chosen
-    if chosen is None:
+    ranked = routed.decision.ranked()
+    if not ranked:
         return error_response(503, "no live node to route to", "unavailable")
-    node = chosen.node_id
-    done = state.start_proxy(node, routed.prompt_blocks)
-    target = f"{chosen.url.rstrip('/')}{path}"
-    headers = {"x-kvflow-node": node, "x-kvflow-matched-tokens": str(routed.matched_tokens)}
-    try:
-        upstream = await state.client.send(state.client.build_request("POST", target, json=payload), stream=True)
-    except httpx.HTTPError as exc:
-        done("upstream_error")
-        log.warning("node %s failed: %s", node, exc)
-        return _failed(node, exc)
+    refused: list[tuple[str, httpx.HTTPError]] = []
+    for cand in ranked:
+        done = state.start_proxy(cand.node_id, routed.prompt_blocks)
+        request = state.client.build_request("POST", f"{cand.url.rstrip('/')}{path}", json=payload)
+        try:
+            upstream = await state.client.send(request, stream=True)
+        except NOT_SENT as exc:
+            done("upstream_error", ran=False)
+            log.warning("node %s refused the connection (%s: %s); trying the next candidate", cand.node_id,
+                        type(exc).__name__, exc)
+            refused.append((cand.node_id, exc))
+            continue
+        except httpx.HTTPError as exc:
+            done("upstream_error")
+            log.warning("node %s failed: %s", cand.node_id, exc)
+            return _failed(cand.node_id, exc)
+        if refused:
+            log.warning("answered by %s after %d refused connection(s)", cand.node_id, len(refused))
+        return await _answer(upstream, cand, routed, done, stream)
+    first, error = refused[0]
+    others = "; ".join(f"{n}: {type(e).__name__}" for n, e in refused[1:])
+    message = f"upstream node {first} failed: {type(error).__name__}: {error}"
+    if others:
+        message += f" (and every other candidate refused the connection: {others})"
+    return error_response(502, message[:2000], "upstream_error", node_id=first)
+
+
+async def _answer(upstream: httpx.Response, cand: Candidate, routed: Routed, done: Callable[..., None],
+                  stream: bool) -> Response:
+    """The node's response to the client: streamed (a 200 with ``stream``), else read whole."""
+    node = cand.node_id
+    headers = {"x-kvflow-node": node, "x-kvflow-matched-tokens": str(cand.matched_blocks * routed.block_size)}
     if stream and upstream.status_code == 200:
         return StreamingResponse(_relay(upstream, node, done), media_type="text/event-stream", headers=headers)
     try:
@@ -70,12 +102,12 @@ async def forward(state: RouterState, routed: Routed, path: str, payload: dict[s
                     media_type=upstream.headers.get("content-type", "application/json"), headers=headers)
 
 
-def _failed(node: str, exc: httpx.HTTPError) -> JSONResponse:
+def _failed(node: str, exc: BaseException) -> JSONResponse:
     return error_response(502, f"upstream node {node} failed: {type(exc).__name__}: {exc}", "upstream_error",
                           node_id=node)
 
 
-async def _relay(upstream: httpx.Response, node: str, done: Callable[[str], None]) -> AsyncIterator[bytes]:
+async def _relay(upstream: httpx.Response, node: str, done: Callable[..., None]) -> AsyncIterator[bytes]:
     """The node's stream, byte for byte; if it breaks, one last ``data:`` event with the error."""
     outcome = "ok"
     try:

@@ -20,7 +20,7 @@ def candidate_json(c: Candidate) -> dict[str, Any]:
 
 
 def decision_body(decision: Decision, prompt_tokens: int, prompt_blocks: int, block_size: int,
-                  elapsed_s: float) -> dict[str, Any]:
+                  elapsed_s: float, *, degraded: bool = False, gone_nodes: int = 0) -> dict[str, Any]:
     """The body of ``POST /v1/route``: the choice (None when there is none) and every candidate.
 
     Args:
@@ -29,6 +29,8 @@ def decision_body(decision: Decision, prompt_tokens: int, prompt_blocks: int, bl
         prompt_blocks: its full blocks (the ones hashed and matched).
         block_size: the block size it was hashed in.
         elapsed_s: the time the decision took (``decision_ms``, to the microsecond).
+        degraded: made without PostgreSQL (the last known fleet, no prefix credit).
+        gone_nodes: the nodes that are ``gone`` (no candidates; only counted).
     """
     chosen = decision.chosen
     return {
@@ -37,8 +39,8 @@ def decision_body(decision: Decision, prompt_tokens: int, prompt_blocks: int, bl
         "matched_blocks": chosen.matched_blocks if chosen else 0,
         "matched_tokens": chosen.matched_blocks * block_size if chosen else 0,
         "prompt_tokens": prompt_tokens, "prompt_blocks": prompt_blocks, "block_size": block_size,
-        "reason": decision.reason, "decision_ms": round(elapsed_s * 1000, 3),
-        "candidates": [candidate_json(c) for c in decision.candidates],
+        "reason": decision.reason, "decision_ms": round(elapsed_s * 1000, 3), "degraded": degraded,
+        "candidates": [candidate_json(c) for c in decision.candidates], "gone_nodes": gone_nodes,
     }
 
 
@@ -51,13 +53,15 @@ def node_json(row: Mapping[str, Any], router_inflight: int, suspect: bool) -> di
         suspect: whether the node failed a proxied request within ``suspect_s``.
 
     Returns:
-        The row's columns (``last_seen`` in ISO 8601, ``counters`` decoded, ``silent_s`` a float),
-        plus ``router_inflight`` and ``suspect``.
+        The row's columns (``last_seen`` in ISO 8601, ``counters`` decoded, ``silent_s`` and
+        ``stats_ts``, the latest heartbeat's time, as floats), plus ``router_inflight`` and ``suspect``.
     """
     d = dict(row)
     d["last_seen"] = d["last_seen"].isoformat() if d.get("last_seen") else None
     d["counters"] = json.loads(d["counters"]) if isinstance(d.get("counters"), str) else d.get("counters")
     d["silent_s"] = float(d["silent_s"]) if d.get("silent_s") is not None else None
+    if "stats_ts" in d:
+        d["stats_ts"] = float(d["stats_ts"]) if d["stats_ts"] is not None else None
     d["router_inflight"] = router_inflight
     d["suspect"] = suspect
     return d

@@ -19,8 +19,9 @@ credit). Nodes over the load threshold are filtered out first (unless all are). 
 wins; ties go to the lower load, then the node id. With ``temperature > 0`` the choice is sampled
 with probability ∝ exp(−Δcost / T).
 
-What only the router knows (which nodes failed it lately, what it has sent them) is laid over the
-nodes' rows by :func:`overlay`, pure as well, before :func:`decide`.
+What only the router knows (which nodes failed it lately, what it has sent them, which of its
+requests have finished since a node's last heartbeat) is laid over the nodes' rows by
+:func:`overlay`, pure as well, before :func:`decide`.
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ class NodeView:
     inflight_blocks: int = 0
     #: why this node cannot serve this request at all (another model, another block size); "" if it can
     excluded: str = ""
+    #: when the node took the heartbeat that ``active_blocks``/``active_requests`` come from
+    #: (``NodeStats.ts``, epoch seconds; 0: unknown)
+    stats_ts: float = 0.0
 
 
 @dataclass
@@ -93,6 +97,16 @@ class Decision:
     candidates: list[Candidate] = field(default_factory=list)
     total_blocks: int = 0
     reason: str = ""
+
+    def ranked(self) -> list[Candidate]:
+        """Every eligible candidate in the order to try them: the chosen one, then the others by
+        cost, those over the load threshold last (a proxy whose connection is refused goes on to
+        the next). Computed on demand: a decision that is not proxied never needs it."""
+        if self.chosen is None:
+            return []
+        others = [c for c in self.candidates if c.eligible and c is not self.chosen]
+        others.sort(key=lambda c: (c.busy, c.cost, c.decode_blocks, c.node_id))
+        return [self.chosen, *others]
 
 
 #: A node's holdings: SQL-or-wire block hash → (cache level, priority).
@@ -141,33 +155,82 @@ class InflightCount(Protocol):
     blocks: int
 
 
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """A request the router proxied to a node and saw finish, on the wall clock (as ``NodeStats.ts``).
+
+    ``blocks`` are the prompt blocks it counted in flight for the request."""
+
+    started: float
+    ended: float
+    blocks: int
+
+
+def finished_since(finished: Sequence[Finished], stats_ts: float) -> tuple[int, int]:
+    """The requests, and their blocks, that a heartbeat taken at ``stats_ts`` still counts as running
+    although the router has seen them finish: started before it, ended after it.
+
+    A node's heartbeat (every 1–2 s) counts the blocks its running requests hold; for up to a
+    heartbeat's interval after a request ends, the row in ``nodes`` still counts it as load, and the
+    node that holds a conversation's history looks busier than an idle one. The router knows
+    which of its own requests ended since: that load is gone. A request that started after the
+    heartbeat was never counted by it; one that ended before it is not counted either.
+
+    Args:
+        finished: the node's finished requests in the order they ended (only those that ended
+            after the heartbeat are looked at).
+        stats_ts: when the node took the heartbeat (``NodeStats.ts``; the router's wall clock is
+            assumed to agree with the node's, as NTP keeps them).
+
+    Returns:
+        ``(requests, blocks)``; ``(0, 0)`` when the heartbeat's time is unknown (``stats_ts`` 0).
+    """
+    requests = blocks = 0
+    if stats_ts > 0:
+        for f in reversed(finished):
+            if f.ended <= stats_ts:
+                break
+            if f.started < stats_ts:
+                requests += 1
+                blocks += f.blocks
+    return requests, blocks
+
+
 def overlay(views: Sequence[NodeView], suspect_until: Mapping[NodeId, float], inflight: Mapping[NodeId, InflightCount],
-            now: float) -> list[NodeView]:
+            now: float, finished: Mapping[NodeId, Sequence[Finished]] | None = None) -> list[NodeView]:
     """The nodes' views with the router's own state laid over them.
 
     PostgreSQL knows what the nodes reported; only this router process knows which nodes failed a
-    proxied request lately and what it has sent them that has not finished.
+    proxied request lately, what it has sent them that has not finished, and what has finished
+    since the heartbeat a node's row comes from.
 
     Args:
         views: every node's view from the ``nodes`` table (``FleetView.views``).
         suspect_until: node id → ``time.monotonic()`` until which the node is avoided.
         inflight: node id → the requests and prompt blocks proxied to it and not finished.
         now: the present, on the clock of ``suspect_until``.
+        finished: node id → the requests proxied to it that have finished lately (the wall clock).
 
     Returns:
         The views in the same order: a node suspect at ``now`` gets the status ``suspect``, a node
-        with requests in flight gets their counts; every other view is the very object it was.
+        with requests in flight gets their counts, a node whose heartbeat still counts requests
+        that have finished since (:func:`finished_since`) gets ``active_requests`` and
+        ``active_blocks`` less theirs (never below zero); every other view is the very object it was.
     """
     out = list(views)
-    if not suspect_until and not inflight:
+    if not suspect_until and not inflight and not finished:
         return out
     for i, v in enumerate(out):
         suspect = suspect_until.get(v.node_id, 0) > now
         inf = inflight.get(v.node_id)
-        if suspect or (inf is not None and (inf.requests or inf.blocks)):
+        ended = finished.get(v.node_id) if finished else None
+        gone_requests, gone_blocks = finished_since(ended, v.stats_ts) if ended else (0, 0)
+        if suspect or gone_requests or (inf is not None and (inf.requests or inf.blocks)):
             out[i] = dataclasses.replace(
                 v, status="suspect" if suspect else v.status,
-                inflight_requests=inf.requests if inf else 0, inflight_blocks=inf.blocks if inf else 0)
+                inflight_requests=inf.requests if inf else 0, inflight_blocks=inf.blocks if inf else 0,
+                active_requests=max(0, v.active_requests - gone_requests),
+                active_blocks=max(0, v.active_blocks - gone_blocks))
     return out
 
 
@@ -177,8 +240,8 @@ def decide(total: int, nodes: Sequence[NodeView], matches: Mapping[NodeId, Prefi
     cands: list[Candidate] = []
     for n in nodes:
         c = Candidate(n.node_id, n.url, n.status, eligible=n.status in ("live", "resyncing") and not n.excluded)
-        if not c.eligible:
-            c.reason = n.excluded or f"{n.status}: never chosen"
+        if not c.eligible:  # a gone node is gone, whatever else it is
+            c.reason = f"{n.status}: never chosen" if n.status == "gone" or not n.excluded else n.excluded
             cands.append(c)
             continue
         if n.status == "live":

@@ -22,11 +22,14 @@ from eventbus.tokenizers import Tokenizer, load_tokenizer
 from routing_api.config import ApiKey, RouterSettings
 from routing_api.fleet import FleetView, fleet_view
 from routing_api.queries import StateReader
-from routing_api.scoring import Decision, RoutingWeights
+from routing_api.scoring import Decision, Finished, RoutingWeights
 from state_store.config import DatabaseSettings
 
 #: How long the router waits to connect to a node (the whole request: ``upstream_timeout_s``).
 CONNECT_TIMEOUT_S = 5.0
+#: How long a finished request is remembered, to take its load off heartbeats taken before it
+#: ended (a node's heartbeat interval is at most 2 s; its way to PostgreSQL adds a little).
+FINISHED_KEEP_S = 5.0
 
 
 @dataclass
@@ -52,6 +55,8 @@ class Metrics:
         self.proxied = Counter("kvflow_router_proxied_total", "Completions proxied", ["node", "outcome"], registry=r)
         self.inflight = Gauge("kvflow_router_inflight_requests", "Proxied requests not finished", ["node"],
                               registry=r)
+        self.degraded = Counter("kvflow_router_degraded_decisions", "Decisions made without PostgreSQL "
+                                "(the last known fleet, by load alone)", registry=r)
 
     def record_decision(self, decision: Decision, prompt_blocks: int, elapsed_s: float) -> None:
         """Count one decision: its time, the prompt's blocks, and the choice with its cached blocks."""
@@ -99,6 +104,8 @@ class RouterState:
     metrics: Metrics = field(default_factory=Metrics)
     fleet: FleetCache = field(default_factory=lambda: FleetCache(None))
     inflight: dict[NodeId, Inflight] = field(default_factory=lambda: collections.defaultdict(Inflight))
+    #: per node, the proxied requests that finished within ``FINISHED_KEEP_S``, oldest first
+    finished: dict[NodeId, collections.deque[Finished]] = field(default_factory=dict)
     suspect_until: dict[NodeId, float] = field(default_factory=dict)
     recent: collections.deque[dict[str, Any]] = field(default_factory=collections.deque)
     decisions: int = 0
@@ -143,21 +150,24 @@ class RouterState:
                                 "prompt_tokens": prompt_tokens, "matched_tokens": matched_tokens,
                                 "reason": decision.reason})
 
-    def start_proxy(self, node: NodeId, blocks: int) -> Callable[[str], None]:
+    def start_proxy(self, node: NodeId, blocks: int) -> Callable[..., None]:
         """Count a request proxied to ``node`` with ``blocks`` prompt blocks as in flight.
 
         Returns:
-            ``done(outcome)``, to call once when the request has finished: ``"ok"``,
+            ``done(outcome, ran=True)``, to call once when the request has finished: ``"ok"``,
             ``"client_error"`` (the node answered 4xx) or ``"upstream_error"`` (the node failed:
-            it is then avoided for ``suspect_s``).
+            it is then avoided for ``suspect_s``). ``ran=False``: it never reached the node (its
+            connection was refused); otherwise the request is remembered as finished
+            (``finished``: a heartbeat taken while it ran no longer counts its load).
         """
         inf = self.inflight[node]
         inf.requests += 1
         inf.blocks += blocks
         self.metrics.inflight.labels(node).set(inf.requests)
         self.proxied += 1
+        started = time.time()
 
-        def done(outcome: str) -> None:
+        def done(outcome: str, ran: bool = True) -> None:
             inf.requests -= 1
             inf.blocks -= blocks
             self.metrics.inflight.labels(node).set(inf.requests)
@@ -165,8 +175,20 @@ class RouterState:
             if outcome == "upstream_error":
                 self.upstream_errors += 1
                 self.suspect_until[node] = time.monotonic() + self.settings.suspect_s
+            if ran and self.settings.account_finished:
+                self.record_finished(node, Finished(started, time.time(), blocks))
 
         return done
+
+    def record_finished(self, node: NodeId, f: Finished) -> None:
+        """Remember a finished request of ``node``; forget those that ended over ``FINISHED_KEEP_S`` ago."""
+        ended = self.finished.get(node)
+        if ended is None:
+            ended = self.finished[node] = collections.deque()
+        ended.append(f)
+        horizon = f.ended - FINISHED_KEEP_S
+        while ended[0].ended < horizon:
+            ended.popleft()
 
     def router_inflight(self, node_id: NodeId) -> int:
         """How many requests this process has proxied to the node and not seen finish."""

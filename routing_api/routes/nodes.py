@@ -1,5 +1,9 @@
 """The fleet as the router sees it: ``/v1/nodes``, ``/v1/nodes/{node_id}``, ``/v1/stats``, and
-``/v1/dashboard/data`` (what the dashboard draws)."""
+``/v1/dashboard/data`` (what the dashboard draws, live nodes first).
+
+Those that read PostgreSQL answer 503 (``unavailable``) while it cannot be read
+(``routing_api.queries.DatabaseUnavailable``, answered by ``routing_api.errors.on_unavailable``);
+``/v1/stats`` reads only this process's memory."""
 
 from __future__ import annotations
 
@@ -40,6 +44,16 @@ async def node(node_id: str, state: State, _: ApiKey | None = scope("read")) -> 
     return out
 
 
+#: The dashboard's order of statuses: the nodes that serve first, the gone ones last.
+STATUS_ORDER = {"live": 0, "suspect": 1, "resyncing": 2, "stale": 3, "unreachable": 4, "gone": 5}
+
+
+def dashboard_order(node: dict[str, Any]) -> tuple[int, str]:
+    """The sort key of a node on the dashboard: live first (a suspect one after them), then by id."""
+    status = "suspect" if node.get("suspect") and node["status"] == "live" else node["status"]
+    return STATUS_ORDER.get(status, 4), node["node_id"]
+
+
 def _counts(state: RouterState) -> dict[str, int]:
     return {"decisions": state.decisions, "proxied": state.proxied, "upstream_errors": state.upstream_errors}
 
@@ -57,5 +71,6 @@ async def dashboard_data(state: State, _: ApiKey | None = scope("read")) -> dict
     reader = state.reader
     rows, composition, hit_rates = await asyncio.gather(reader.nodes(fresh=True), reader.composition(),
                                                         reader.hit_rates())
-    return {"now": time.time(), "nodes": [_node(state, r) for r in rows], "composition": composition,
+    shown = sorted((_node(state, r) for r in rows), key=dashboard_order)
+    return {"now": time.time(), "nodes": shown, "composition": composition,
             "hit_rates": hit_rates, "decisions": list(state.recent)[:50], "router": _counts(state)}

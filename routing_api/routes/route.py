@@ -12,7 +12,7 @@ from eventbus.api import RouteRequest
 from routing_api.config import ApiKey
 from routing_api.decisions import route
 from routing_api.deps import State, authorize, scope, state_of
-from routing_api.errors import error_body, error_json
+from routing_api.errors import Unavailable, error_body, error_json
 from routing_api.state import RouterState
 
 router = APIRouter()
@@ -23,6 +23,7 @@ async def route_answer(state: RouterState, req: RouteRequest, key: ApiKey | None
 
     Raises:
         HTTPException: 404 when no node serves the request's ``model``.
+        Unavailable: no fleet known yet (PostgreSQL has never been read).
     """
     if (req.prompt is None) == (req.token_ids is None):
         return 422, error_json("give exactly one of prompt and token_ids")
@@ -51,3 +52,5 @@ async def route_fast(asgi_scope: dict[str, Any], body: bytes, headers: dict[byte
         return await route_answer(state, req, key)
     except HTTPException as exc:
         return exc.status_code, error_json(exc.detail, "http_error")
+    except Unavailable as exc:
+        return 503, error_json(exc.message, "unavailable")

@@ -6,6 +6,7 @@ The rows are written directly (as the materializer would), so each rule is check
 from __future__ import annotations
 
 import asyncio
+import time
 from datetime import UTC, datetime
 
 import asyncpg
@@ -86,3 +87,52 @@ def test_token_ids_outside_u32_are_refused_before_hashing(migrated_database_url,
             assert r.status_code == 422 and r.json()["error"]["message"].startswith("token_ids.0:"), r.text
             r = c.post("/v1/completions", json={"prompt": bad})
             assert r.status_code == 422 and "prompt" in r.json()["error"]["message"], r.text
+
+
+def test_the_load_of_a_request_seen_finishing_is_taken_off_the_heartbeat_that_counted_it(
+        migrated_database_url, reader_url, monkeypatch):
+    """node-a holds the prompt, but its latest heartbeat (taken 1 s ago) still counts a request of
+    100 blocks that the router has since seen finish: that load is gone, and node-a gets the prompt."""
+    heartbeat = time.time() - 1.0
+
+    async def run() -> None:
+        conn = await asyncpg.connect(plain_dsn(migrated_database_url))
+        now = datetime.now(tz=UTC)
+        try:
+            for node, load in (("node-a", 100), ("node-b", 0)):
+                await conn.execute(
+                    "INSERT INTO nodes (node_id, instance_id, status, url, model, block_size, capacity_gpu,"
+                    " active_blocks, active_requests, last_seen) VALUES ($1, 'i', 'live', $2, 'm', 32, 1000, $3, $4,"
+                    " $5)", node, f"http://{node}:1", load, 1 if load else 0, now)
+                await conn.execute(
+                    "INSERT INTO node_stats_samples (node_id, instance_id, ts, capacity_gpu, capacity_host, used_gpu,"
+                    " used_host, active_requests, queued_requests) VALUES ($1, 'i', $2, 1000, 0, $3, 0, 0, 0),"
+                    " ($1, 'i', $4, 1000, 0, 0, 0, 0, 0)", node, datetime.fromtimestamp(heartbeat, tz=UTC), load,
+                    datetime.fromtimestamp(heartbeat - 1, tz=UTC))
+            await conn.copy_records_to_table(
+                "node_blocks", columns=["node_id", "block_hash", "cache_level", "priority", "num_tokens", "stored_at",
+                                        "updated_at"],
+                records=[("node-a", to_sql(h), 0, 35, 32, now, now) for h in prompt_block_hashes(TOKENS, 32)])
+        finally:
+            await conn.close()
+
+    asyncio.run(run())
+    clock = [0.0]
+    for account, expected in ((True, "node-a"), (False, "node-b")):
+        app = create_app(RouterSettings(nodes_cache_s=0.0, account_finished=account), database_url=reader_url)
+        with TestClient(app) as c:
+            d = c.post("/v1/route", json={"token_ids": TOKENS}).json()
+            assert d["node_id"] == "node-b", d["reason"]  # 4 blocks to prefill < 100 of load
+            nodes = {n["node_id"]: n for n in c.get("/v1/nodes").json()["nodes"]}
+            assert abs(nodes["node-a"]["stats_ts"] - heartbeat) < 0.01  # the latest heartbeat's own time
+            # a request proxied to node-a from before that heartbeat until now (the proxy's bookkeeping)
+            clock[0] = heartbeat - 0.5
+            monkeypatch.setattr("routing_api.state.time.time", lambda: clock[0])
+            done = app.state.router.start_proxy("node-a", 100)
+            clock[0] = heartbeat + 1.0  # it ended after the heartbeat that counted it
+            done("ok")
+            monkeypatch.undo()
+            d = c.post("/v1/route", json={"token_ids": TOKENS}).json()
+            assert d["node_id"] == expected, d["reason"]
+            a = next(x for x in d["candidates"] if x["node_id"] == "node-a")
+            assert a["decode_blocks"] == (0.0 if account else 100.0)

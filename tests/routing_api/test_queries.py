@@ -106,23 +106,67 @@ def test_hot_connections_bound_reuse_and_replace_broken_ones(migrated_database_u
             with pytest.raises(asyncpg.DivisionByZeroError):
                 await hot.fetch("SELECT 1 / 0")
             assert sum(c.is_closed() for c in opened) == 1  # the failed one is gone, not pooled
-            # a connection the server ended while idle: skipped, and the query still answers
+            # a connection the server ended while idle: once the client has seen it close, it is
+            # skipped, and the query answers on a new one
             admin = await asyncpg.connect(dsn)
+            ended = [c for c in opened if not c.is_closed()]
             try:
-                for c in opened:
-                    if not c.is_closed():
-                        await admin.execute("SELECT pg_terminate_backend($1)", c.get_server_pid())
+                for c in ended:
+                    await admin.execute("SELECT pg_terminate_backend($1)", c.get_server_pid())
             finally:
                 await admin.close()
-            await asyncio.sleep(0.2)
+            deadline = asyncio.get_running_loop().time() + 10
+            while not all(c.is_closed() for c in ended):  # the server's goodbye, read by the event loop
+                assert asyncio.get_running_loop().time() < deadline, "the ended connection never closed"
+                await asyncio.sleep(0.01)
             before = len(opened)
-            try:
-                assert (await hot.fetch("SELECT 41 + 1"))[0][0] == 42  # the dead one known closed: skipped
-            except (asyncpg.ConnectionDoesNotExistError, asyncpg.AdminShutdownError, asyncpg.InterfaceError):
-                assert (await hot.fetch("SELECT 41 + 1"))[0][0] == 42  # it failed once, then was dropped
+            assert (await hot.fetch("SELECT 41 + 1"))[0][0] == 42
             assert len(opened) == before + 1
         finally:
             await hot.close()
+
+    asyncio.run(scenario())
+
+
+class FakeConnection:
+    """A connection whose server is gone although the client does not know it yet (or is fine)."""
+
+    def __init__(self, dead: bool) -> None:
+        self.dead = dead
+        self.terminated = False
+
+    def is_closed(self) -> bool:
+        return self.terminated
+
+    async def fetch(self, sql: str, *args: object) -> list[tuple[int]]:
+        if self.dead:
+            raise asyncpg.ConnectionDoesNotExistError("connection was closed in the middle of operation")
+        return [(42,)]
+
+    def terminate(self) -> None:
+        self.terminated = True
+
+
+def test_hot_connections_a_dead_connection_not_known_closed_fails_once_and_is_replaced():
+    """The other order of events, driven: the query runs on a connection whose server has gone
+    before the client noticed; that query fails, the connection is dropped, the next opens anew."""
+    from routing_api.queries import HotConnections
+
+    conns = [FakeConnection(dead=True), FakeConnection(dead=False)]
+
+    async def connect() -> FakeConnection:
+        return conns.pop(0)
+
+    async def scenario() -> None:
+        hot = HotConnections(connect, size=2)  # type: ignore[arg-type]
+        first = conns[0]
+        with pytest.raises(asyncpg.ConnectionDoesNotExistError):
+            await hot.fetch("SELECT 42")
+        assert first.terminated and conns  # dropped, and not reused
+        assert await hot.fetch("SELECT 42") == [(42,)]
+        assert not conns and await hot.fetch("SELECT 42") == [(42,)]  # the good one is reused
+        hot.reset()  # an outage: every idle connection is dropped
+        assert hot._idle == []
 
     asyncio.run(scenario())
 

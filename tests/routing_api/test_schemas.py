@@ -20,7 +20,7 @@ def test_a_decision_is_formatted_with_its_choice_and_every_candidate():
     assert body == {
         "node_id": "a", "url": "http://a", "matched_blocks": 2, "matched_tokens": 64,
         "prompt_tokens": 100, "prompt_blocks": 3, "block_size": 32, "reason": reason, "decision_ms": 1.234,
-        "candidates": [
+        "degraded": False, "gone_nodes": 0, "candidates": [
             {"node_id": "a", "status": "live", "eligible": True, "matched_blocks": 2, "gpu_blocks": 1,
              "host_blocks": 1, "cached_credit": 1.75, "prefill_blocks": 1.25, "decode_blocks": 2.0,
              "cost": 3.25, "busy": False, "reason": reason},
@@ -28,7 +28,11 @@ def test_a_decision_is_formatted_with_its_choice_and_every_candidate():
              "host_blocks": 0, "cached_credit": 0.0, "prefill_blocks": 0.0, "decode_blocks": 0.0,
              "cost": None, "busy": False, "reason": "stale: never chosen"}]}
     assert list(body) == ["node_id", "url", "matched_blocks", "matched_tokens", "prompt_tokens", "prompt_blocks",
-                          "block_size", "reason", "decision_ms", "candidates"]  # the order clients see
+                          "block_size", "reason", "decision_ms", "degraded", "candidates",
+                          "gone_nodes"]  # the order clients see
+    flagged = decision_body(d, prompt_tokens=100, prompt_blocks=3, block_size=32, elapsed_s=0.0, degraded=True,
+                            gone_nodes=11)
+    assert (flagged["degraded"], flagged["gone_nodes"]) == (True, 11)
 
 
 def test_no_choice_is_formatted_with_nulls_and_zeros():
@@ -37,7 +41,8 @@ def test_no_choice_is_formatted_with_nulls_and_zeros():
     body = decision_body(d, prompt_tokens=130, prompt_blocks=4, block_size=32, elapsed_s=0.5)
     assert {k: v for k, v in body.items() if k != "candidates"} == {
         "node_id": None, "url": None, "matched_blocks": 0, "matched_tokens": 0, "prompt_tokens": 130,
-        "prompt_blocks": 4, "block_size": 32, "reason": "no live node", "decision_ms": 500.0}
+        "prompt_blocks": 4, "block_size": 32, "reason": "no live node", "decision_ms": 500.0, "degraded": False,
+        "gone_nodes": 0}
     assert body["candidates"] == [candidate_json(d.candidates[0])]
     thirds = candidate_json(Candidate("x", "", "live", True, cached_credit=2 / 3, prefill_blocks=7 / 3,
                                       decode_blocks=1 / 7, cost=1 / 3))
@@ -48,10 +53,11 @@ def test_no_choice_is_formatted_with_nulls_and_zeros():
 
 def test_a_nodes_row_is_formatted_with_what_the_router_knows():
     row = {"node_id": "a", "status": "live", "last_seen": datetime(2024, 1, 2, 3, 4, 5, tzinfo=UTC),
-           "counters": '{"prompt_tokens": 7}', "silent_s": Decimal("1.5"), "capacity_gpu": 10}
+           "counters": '{"prompt_tokens": 7}', "silent_s": Decimal("1.5"), "capacity_gpu": 10,
+           "stats_ts": Decimal("1700000000.25")}
     assert node_json(row, router_inflight=2, suspect=True) == {
         "node_id": "a", "status": "live", "last_seen": "2024-01-02T03:04:05+00:00", "counters": {"prompt_tokens": 7},
-        "silent_s": 1.5, "capacity_gpu": 10, "router_inflight": 2, "suspect": True}
+        "silent_s": 1.5, "capacity_gpu": 10, "stats_ts": 1700000000.25, "router_inflight": 2, "suspect": True}
     bare = node_json({"node_id": "b", "last_seen": None, "counters": {"x": 1}, "silent_s": None}, 0, False)
     assert bare == {"node_id": "b", "last_seen": None, "counters": {"x": 1}, "silent_s": None,
                     "router_inflight": 0, "suspect": False}

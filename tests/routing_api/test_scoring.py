@@ -9,7 +9,16 @@ from collections import Counter
 from eventbus.hashing import prompt_block_hashes
 from eventbus.protocol import DEFAULT_PRIORITY
 from routing_api.config import RouterSettings
-from routing_api.scoring import DEFAULT_WEIGHTS, NodeView, PrefixMatch, RoutingWeights, overlay, prefix_match
+from routing_api.scoring import (
+    DEFAULT_WEIGHTS,
+    Finished,
+    NodeView,
+    PrefixMatch,
+    RoutingWeights,
+    finished_since,
+    overlay,
+    prefix_match,
+)
 from routing_api.scoring import decide as decide_matches
 from routing_api.state import Inflight
 
@@ -174,3 +183,52 @@ def test_the_weights_defaults_have_one_home():
                                                                                          temperature=0.5)
     assert prefix_match(H, gpu(*H[:2], prio=DEFAULT_PRIORITY - 1)).leaf_low
     assert not prefix_match(H, gpu(*H[:2], prio=DEFAULT_PRIORITY)).leaf_low
+
+
+def test_a_finished_request_is_taken_off_the_heartbeat_that_still_counts_it():
+    """Started before the heartbeat, ended after it: the heartbeat counted it, and it is gone."""
+    ended = [Finished(started=9.0, ended=9.5, blocks=50),    # ended before the heartbeat: not counted by it
+             Finished(started=9.8, ended=10.4, blocks=96),   # running at the heartbeat (t = 10), ended since
+             Finished(started=10.2, ended=10.6, blocks=7),   # started after the heartbeat: never counted
+             Finished(started=9.9, ended=10.7, blocks=3)]
+    assert finished_since(ended, 10.0) == (2, 99)
+    assert finished_since(ended, 10.5) == (2, 10)       # a newer heartbeat: what ran then and ended since
+    assert finished_since(ended, 11.0) == (0, 0)
+    assert finished_since(ended, 0.0) == (0, 0)         # the heartbeat's time unknown: nothing
+    assert finished_since([], 10.0) == (0, 0)
+
+
+def test_overlay_takes_finished_load_off_never_below_zero_and_keeps_the_rest():
+    views = [node("a", active_blocks=100, active_requests=1, stats_ts=10.0),
+             node("b", active_blocks=5, active_requests=1, stats_ts=10.0),
+             node("c", active_blocks=40, active_requests=2, stats_ts=0.0),   # no heartbeat time known
+             node("d", active_blocks=8, active_requests=1, stats_ts=10.0)]
+    finished = {"a": [Finished(9.5, 10.2, 96)], "b": [Finished(9.5, 10.2, 96)], "c": [Finished(9.5, 10.2, 30)],
+                "d": [Finished(10.1, 10.2, 8)]}
+    out = overlay(views, {}, {"a": Inflight(1, 4)}, now=0.0, finished=finished)
+    assert (out[0].active_blocks, out[0].active_requests, out[0].inflight_blocks) == (4, 0, 4)
+    assert (out[1].active_blocks, out[1].active_requests) == (0, 0)  # more than it counted: zero
+    assert out[2] is views[2] and out[3] is views[3]
+    assert overlay(views, {}, {}, now=0.0, finished={})[0] is views[0]
+
+
+def test_a_conversations_next_turn_stays_where_its_history_is():
+    """Finding 5 of issue 15, exactly: the node holding turn 0 still reports turn 0's blocks as
+    load (its heartbeat came while it ran); without the router's knowledge the idle node wins."""
+    history = gpu(*H[:7])  # turn 0: 7 of the 8 blocks of turn 1's prompt
+    views = [node("a", active_blocks=8, active_requests=1, stats_ts=100.0), node("b", stats_ts=100.0)]
+    old = decide(H, views, {"a": history}, W)
+    assert old.chosen.node_id == "b"  # a: 1 to prefill + 8 of load = 9 > b: 8 to prefill
+    turn0 = {"a": [Finished(started=99.5, ended=100.3, blocks=8)]}
+    new = decide(H, overlay(views, {}, {}, now=0.0, finished=turn0), {"a": history}, W)
+    assert new.chosen.node_id == "a" and new.chosen.cost == 1.0
+
+
+def test_a_gone_node_says_so_whatever_else_excludes_it():
+    d = decide(H, [node("a", "gone", excluded="block size 16; this fleet's prompts are hashed in blocks of 32"),
+                   node("b", excluded="block size 16; this fleet's prompts are hashed in blocks of 32"),
+                   node("c", "stale"), node("d")], {}, W)
+    why = {c.node_id: c.reason for c in d.candidates}
+    assert why["a"] == "gone: never chosen"
+    assert why["b"] == "block size 16; this fleet's prompts are hashed in blocks of 32"
+    assert why["c"] == "stale: never chosen" and d.chosen.node_id == "d"

@@ -3,14 +3,16 @@ views per read, in-flight accounting and suspicion, decision counts."""
 
 from __future__ import annotations
 
+from decimal import Decimal
+
 import pytest
 from fastapi import HTTPException
 
 from routing_api.config import RouterSettings, parse_api_keys
 from routing_api.deps import authorize
-from routing_api.fleet import fleet_block_size, fleet_view
-from routing_api.scoring import Candidate, Decision, NodeView, RoutingWeights
-from routing_api.state import FleetCache, Metrics, RouterState
+from routing_api.fleet import FleetView, fleet_block_size, fleet_view
+from routing_api.scoring import Candidate, Decision, Finished, NodeView, RoutingWeights
+from routing_api.state import FINISHED_KEEP_S, FleetCache, Metrics, RouterState
 
 KEYS = parse_api_keys("full:acme,reader::read")
 
@@ -113,3 +115,40 @@ def test_a_decision_is_counted_and_kept_among_the_recent_ones():
     assert sample(s, "kvflow_router_matched_blocks_total") == 3
     assert sample(s, "kvflow_router_prompt_blocks_total") == 8
     assert sample(s, "kvflow_router_decision_seconds_count") == 2
+
+
+def test_gone_nodes_are_no_candidates_only_a_count_and_the_heartbeats_time_is_kept():
+    rows = [row("a"), {**row("b", block_size=16, status="gone")}, row("c", status="stale"),
+            {**row("d"), "stats_ts": Decimal("1700000000.5")}, row("e", status="gone")]
+    fv = fleet_view(rows, "llama")
+    assert [v.node_id for v in fv.views] == ["a", "c", "d"] and fv.gone == 2
+    assert fv.views[2].stats_ts == 1700000000.5 and fv.views[0].stats_ts == 0.0
+    assert fleet_view([row("a", status="gone")], None) == FleetView(32, (), 1)
+
+
+def test_finished_requests_are_remembered_for_a_while_unless_switched_off(monkeypatch):
+    s = state()
+    clock = [1000.0]
+    monkeypatch.setattr("routing_api.state.time.time", lambda: clock[0])
+    done = s.start_proxy("a", 7)
+    clock[0] = 1000.8
+    done("ok")
+    assert list(s.finished["a"]) == [Finished(1000.0, 1000.8, 7)]
+    s.start_proxy("a", 1)("upstream_error", ran=False)  # a refused connection never ran
+    assert len(s.finished["a"]) == 1
+    clock[0] = 1000.8 + FINISHED_KEEP_S + 0.1
+    s.start_proxy("a", 2)("client_error")
+    assert [f.blocks for f in s.finished["a"]] == [2]  # the old one is forgotten
+    off = RouterState(RouterSettings(account_finished=False), reader=None, tokenizer=None,
+                      weights=RoutingWeights(), keys={}, client=None, metrics=Metrics())
+    off.start_proxy("a", 7)("ok")
+    assert off.finished == {}
+
+
+def test_the_dashboard_lists_live_nodes_first_and_gone_ones_last():
+    from routing_api.routes.nodes import dashboard_order
+
+    nodes = [{"node_id": n, "status": st, "suspect": sus} for n, st, sus in (
+        ("a", "gone", False), ("b", "stale", False), ("c", "live", True), ("d", "live", False),
+        ("e", "resyncing", False), ("f", "gone", False), ("g", "live", False), ("h", "unreachable", False))]
+    assert [n["node_id"] for n in sorted(nodes, key=dashboard_order)] == ["d", "g", "c", "e", "b", "h", "a", "f"]
