@@ -11,6 +11,10 @@ in ``details``; that phase's latencies are ``loaded_p50_ms`` / ``loaded_p99_ms``
 against one router process (``one_process_decisions_per_s``). Baseline: the router's one SQL
 query alone (asyncpg, same prompts), p50. Goals on this 2-core machine: p50 ≤ 2 ms, p99 ≤ 10 ms,
 ≥ 1,000 decisions/s.
+
+Then ``multi_turn_cached_share`` (``kvflow.bench.multiturn``, real nodes): the share of prompt
+tokens cached over 6-turn conversations sent back to back through the router (goal ≥ 0.9), with,
+as its baseline, the same through a router that ignores the requests it saw finish.
 """
 
 from __future__ import annotations
@@ -139,7 +143,11 @@ def _throughput(port: int, bodies: list[bytes], requests: int,
 
 
 def bench_route(*, nodes: int = 32, blocks_per_node: int = 50_000, prompts: int = 128, requests: int = 3000,
-                concurrency: int = 4, workers: int = 2, say: Callable[[str], None] = lambda _m: None) -> BenchResult:
+                concurrency: int = 4, workers: int = 2, multi_turn: int | None = None,
+                say: Callable[[str], None] = lambda _m: None) -> BenchResult:
+    """The decisions' latency and throughput, then the multi-turn scenario (``kvflow.bench.multiturn``)
+    with ``multi_turn`` conversations per router (None: 4, or 1 with fewer than 1,000 requests, as
+    ``--quick``; 0: none)."""
     res = BenchResult("route")
     rng = random.Random(21)
     texts = make_prompts(prompts, rng)
@@ -191,4 +199,13 @@ def bench_route(*, nodes: int = 32, blocks_per_node: int = 50_000, prompts: int 
                         "concurrency": concurrency, "router_processes": workers,
                         "throughput_rounds_per_s": [round(r, 1) for r in rates],
                         "one_process_rounds_per_s": [round(r, 1) for r in one_rates]})
+    conversations = multi_turn if multi_turn is not None else 4 if requests >= 1000 else 1
+    if conversations:
+        from kvflow.bench.multiturn import bench_multi_turn
+
+        mt = bench_multi_turn(conversations=conversations, say=say)
+        res.figures["multi_turn_cached_share"] = mt["multi_turn_cached_share"]
+        res.baseline["multi_turn_cached_share"] = mt["multi_turn_cached_share_baseline"]
+        res.goals["multi_turn_cached_share"] = ">= 0.9"
+        res.details["multi_turn"] = mt["details"]
     return res

@@ -23,7 +23,8 @@ NAMED = {
     "node": ["ratios.prefill_speedup_cached_90pct", "figures.prefill_tokens_per_s", "figures.decode_tokens_per_s"],
     "pipeline": ["figures.events_per_s", "baseline.raw_events_per_s", "ratios.vs_raw_ceiling",
                  "figures.freshness_p50_ms", "figures.freshness_p99_ms"],
-    "route": ["figures.p50_ms", "figures.p99_ms", "figures.decisions_per_s", "baseline.sql_p50_ms"],
+    "route": ["figures.p50_ms", "figures.p99_ms", "figures.decisions_per_s", "baseline.sql_p50_ms",
+              "figures.multi_turn_cached_share", "baseline.multi_turn_cached_share"],
 }
 
 
