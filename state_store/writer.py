@@ -102,7 +102,9 @@ class Writer:
     async def pool(self) -> asyncpg.Pool:
         if self._pool is None:
             self._pool = await asyncpg.create_pool(
-                self.dsn, min_size=1, max_size=self.pool_size, timeout=10, command_timeout=120,
+                # min_size 0: with a minimum, asyncpg restores the pool's floor in the background and
+                # logs a traceback per attempt while PostgreSQL is down (with_retry reconnects anyway).
+                self.dsn, min_size=0, max_size=self.pool_size, timeout=10, command_timeout=120,
                 server_settings={"application_name": "kvflow-materializer",
                                  "statement_timeout": str(self.statement_timeout_ms)},
                 init=_init_connection,
