@@ -37,3 +37,24 @@ def test_the_demo_answers_every_request_from_the_cache_and_materializes_every_ev
     assert figures["materialized"] == figures["published"] > 0  # this run's events, each once
     assert figures["pinned_blocks"] > 0  # the system prompts at priority 100
     assert demo.services == []  # stop() ended every process it started
+
+
+def test_the_summary_table_has_no_empty_header_row():
+    from kvflow.demo import DemoResult, _summary
+
+    out = io.StringIO()
+    res = DemoResult(requests=3, prompt_tokens=100, cached_tokens=50)
+    _summary(Console(file=out, width=100), res, {"published": 7, "materialized": 7, "history_rows": 9,
+                                                  "lag_events": 0, "pinned_blocks": 2}, 1.0, "http://r")
+    lines = out.getvalue().splitlines()
+    top = next(i for i, ln in enumerate(lines) if ln.lstrip().startswith("┌"))
+    assert "requests (failed)" in lines[top + 1]  # the first row is data, not an empty header
+
+
+def test_the_readme_tails_a_node_the_demo_starts():
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    named = re.findall(r"kvflow events tail --node (\S+)", readme)
+    assert named and all(re.fullmatch(r"demo-node-[ab]", n) for n in named), named
