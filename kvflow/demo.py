@@ -63,6 +63,8 @@ class DemoResult:
     by_kind: Counter[str] = field(default_factory=Counter)
     cached_by_kind: Counter[str] = field(default_factory=Counter)
     prompt_by_kind: Counter[str] = field(default_factory=Counter)
+    #: failed requests by their status and answer
+    errors: Counter[str] = field(default_factory=Counter)
 
 
 def _free(port: int) -> int:
@@ -153,16 +155,20 @@ class Demo:
         self._spawn("router", ["router", "--port", str(router_port), "--log-level", "warning"], url=router)
         for url in [*node_urls, router]:
             self._wait_http(f"{url}/healthz")
-        say("waiting until PostgreSQL knows both nodes …")
+        say("waiting until the router can route to both nodes …")
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            live = [n for n in httpx.get(f"{router}/v1/nodes", timeout=5).json()["nodes"]
-                    if n["status"] == "live" and n["node_id"].startswith("demo-node-")]
-            if len(live) >= self.n_nodes:
+            # NOTE: what a request sees: the router's own view (its nodes cache), in which a node is
+            # eligible once it is live and its heartbeat has said where it listens. (Live in
+            # PostgreSQL is not enough: its events may come before its first heartbeat.)
+            answer = httpx.post(f"{router}/v1/route", json={"prompt": "ping"}, timeout=5).json()
+            eligible = [c for c in answer.get("candidates", [])
+                        if c["eligible"] and c["node_id"].startswith("demo-node-")]
+            if len(eligible) >= self.n_nodes:
                 break
-            time.sleep(0.5)
+            time.sleep(0.3)
         else:
-            raise RuntimeError("the nodes did not appear in PostgreSQL; see the materializer's log")
+            raise RuntimeError("the router cannot route to the nodes; see the materializer's log")
         for svc in self.services:
             say(f"{svc.name}: pid {svc.child.pid}" + (f", {svc.url}" if svc.url else ""))
         self.supervisor.restart = True  # from now on a service that dies is restarted
@@ -209,6 +215,7 @@ class Demo:
                     res.requests += 1
                     if r.status_code != 200:
                         res.failed += 1
+                        res.errors[f"{r.status_code}: {r.text[:300]}"] += 1
                     else:
                         usage = r.json()["usage"]
                         cached = usage["prompt_tokens_details"]["cached_tokens"]
@@ -297,6 +304,8 @@ def _summary(console: Console, res: DemoResult, f: dict[str, Any], elapsed: floa
     t.add_column("value", justify="right")
     share = res.cached_tokens / res.prompt_tokens if res.prompt_tokens else 0.0
     t.add_row("requests (failed)", f"{res.requests} ({res.failed})")
+    for error, n in res.errors.most_common(3):
+        t.add_row(f"  failed {n}x", error[:80])
     t.add_row("requests per second", f"{res.requests / elapsed:.1f}")
     t.add_row("prompt tokens / served from cache", f"{res.prompt_tokens:,} / {res.cached_tokens:,} ({share:.0%})")
     for kind in ("system prompt", "conversation", "one-off"):

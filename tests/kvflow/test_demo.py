@@ -30,7 +30,7 @@ def test_the_demo_answers_every_request_from_the_cache_and_materializes_every_ev
         figures = asyncio.run(demo.pipeline_figures(node_urls))
     finally:
         demo.stop()
-    assert (res.requests, res.failed) == (30, 0)
+    assert (res.requests, res.failed) == (30, 0), res.errors
     assert res.cached_tokens > 0.5 * res.prompt_tokens  # long shared system prompts
     assert sorted(res.by_node) == ["demo-node-a", "demo-node-b"]
     assert figures["lag_events"] == 0
