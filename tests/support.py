@@ -6,13 +6,14 @@ import asyncio
 import contextlib
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -26,7 +27,7 @@ from inference_node.kv.manager import KvCacheConfig, KVCacheManager, OutOfBlocks
 from inference_node.kv.prompt import Prompt
 from inference_node.kv.retention import KvCacheRetentionConfig, TokenRange
 from inference_node.publisher import InMemorySink, KafkaSink, Publisher
-from kvflow.stack import free_port
+from kvflow.stack import Paths, Postgres, StackSettings, free_port, project_dir
 from state_store.config import plain_dsn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,6 +48,23 @@ def kafka_env(k: KafkaSettings) -> dict[str, str]:
     return {"KVFLOW_KAFKA_BOOTSTRAP": k.bootstrap, "KVFLOW_KAFKA_EVENTS_TOPIC": k.events_topic,
             "KVFLOW_KAFKA_STATS_TOPIC": k.stats_topic, "KVFLOW_KAFKA_DLQ_TOPIC": k.dlq_topic,
             "KVFLOW_KAFKA_CONTROL_TOPIC": k.control_topic}
+
+
+@contextlib.contextmanager
+def private_postgres(tmp_path: Path) -> Iterator[Postgres]:
+    """A PostgreSQL cluster of the test's own (own folder, own port), for tests that stop and
+    start it; stopped and removed afterwards."""
+    home = tmp_path / "pg-home"
+    pg = Postgres(Paths(project=project_dir(), home=home),
+                  StackSettings(home=home, postgres_port=free_port(), start_timeout_s=90))
+    pg.external_url = None
+    try:
+        pg.up(lambda _m: None)
+        yield pg
+    finally:
+        pg.down()
+        if not pg.base.is_relative_to(tmp_path):
+            shutil.rmtree(pg.base, ignore_errors=True)
 
 
 class ServiceProcess:

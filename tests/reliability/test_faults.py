@@ -19,7 +19,7 @@ from eventbus import protocol as p
 from eventbus.config import KafkaSettings
 from eventbus.kafka import ensure_topics
 from eventbus.replay import NodeState
-from kvflow.stack import Kafka, Paths, Postgres, StackSettings, project_dir
+from kvflow.stack import Kafka, Paths, StackSettings, project_dir
 from routing_api.app import create_app
 from routing_api.config import RouterSettings
 from tests.inference_node.test_node_kafka import start_node
@@ -30,6 +30,7 @@ from tests.support import (
     history_duplicates,
     materializer,
     node_row,
+    private_postgres,
     sql_blocks,
     wait_for,
 )
@@ -168,12 +169,7 @@ def test_node_cut_off_from_kafka_publishes_a_snapshot_on_reconnect(tmp_path, kaf
 
 
 def test_postgres_stopped_and_restarted_the_materializer_waits_and_loses_nothing(kafka_settings, tmp_path):
-    home = tmp_path / "pg-home"
-    pg = Postgres(Paths(project=project_dir(), home=home),
-                  StackSettings(home=home, postgres_port=free_port(), start_timeout_s=90))
-    pg.external_url = None
-    try:
-        pg.up(lambda _m: None)
+    with private_postgres(tmp_path) as pg:
         db = f"postgresql+asyncpg://kvflow:kvflow@localhost:{pg.port}/kvflow"
         from migrations import upgrade
 
@@ -194,10 +190,6 @@ def test_postgres_stopped_and_restarted_the_materializer_waits_and_loses_nothing
         finally:
             node.stop()
             mat.stop()
-    finally:
-        pg.down()
-        if not pg.base.is_relative_to(tmp_path):
-            shutil.rmtree(pg.base, ignore_errors=True)
 
 
 def test_a_killed_node_goes_stale_is_avoided_is_cleared_and_restarts_clean(

@@ -14,7 +14,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
-import shutil
 import threading
 import time
 from typing import Any
@@ -22,9 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
-from kvflow.stack import Paths, Postgres, StackSettings, project_dir
 from tests.inference_node.test_node_kafka import start_node
-from tests.support import ServiceProcess, applied_through_id, free_port, materializer, wait_for
+from tests.support import ServiceProcess, applied_through_id, free_port, materializer, private_postgres, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -120,17 +118,8 @@ def answers(url: str) -> bool:
 
 @pytest.fixture
 def private_pg(tmp_path):
-    home = tmp_path / "pg-home"
-    pg = Postgres(Paths(project=project_dir(), home=home),
-                  StackSettings(home=home, postgres_port=free_port(), start_timeout_s=90))
-    pg.external_url = None
-    try:
-        pg.up(lambda _m: None)
+    with private_postgres(tmp_path) as pg:
         yield pg
-    finally:
-        pg.down()
-        if not pg.base.is_relative_to(tmp_path):
-            shutil.rmtree(pg.base, ignore_errors=True)
 
 
 def test_postgres_stopped_under_load_the_router_degrades_answers_everything_and_recovers(
