@@ -167,6 +167,8 @@ class Supervisor:
         return child
 
     def _start(self, child: Child) -> None:
+        # NOTE: Linux's parent-death signal fires when the *thread* that started a child ends: a
+        # child restarted by the watch thread is signalled when that thread ends, in stop().
         child.proc = spawn_child(child.argv, child.log, child.env)
         child.started_at = time.monotonic()
         child.restart_at = None
