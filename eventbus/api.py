@@ -1,13 +1,22 @@
-"""The HTTP completion contract shared by nodes and the router (pydantic; no torch).
+"""The HTTP request contracts shared by nodes and the router (pydantic; no torch).
 
-``POST /v1/completions`` accepts this body on a node and on the router alike: an OpenAI-style
-subset plus kvflow's ``kv_retention``, ``lora_id`` and ``cache_salt``. Unknown fields and wrong
-types are refused (422) with a message naming the field.
+* :class:`CompletionRequest` (``POST /v1/completions``) and :class:`ChatCompletionRequest`
+  (``POST /v1/chat/completions``): OpenAI's bodies, as a node serves them. Unknown fields are
+  accepted and ignored, as vLLM does, so that clients written for other engines keep working; the
+  standard parameters are typed, and a wrong type or an out-of-range value is refused (422) with
+  a message naming the field. Parameters a node cannot honour are never ignored silently:
+  :meth:`refusals` names them, and the node answers 400 with those names (see ``CANNOT``).
+  kvflow's extensions: ``kv_retention``, ``lora_id``, ``cache_salt`` (an empty salt is refused),
+  ``ignore_eos``, and vLLM's ``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``.
+* :class:`RouteRequest` (``POST /v1/route``).
+
+NOTE: a node's defaults differ from OpenAI's in one place: ``temperature`` defaults to 0
+(greedy), as the node always did, not 1.
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any, NamedTuple, cast
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
@@ -17,6 +26,9 @@ SALT = ("Salt of the first block's hash: only requests with the same salt share 
 
 #: A token id as the block identity packs it (u32); a model's vocabulary is checked by the node.
 TokenId = Annotated[StrictInt, Field(ge=0, le=(1 << 32) - 1)]
+
+#: The most sequences one request may ask for (prompts × ``n``).
+MAX_SEQUENCES = 64
 
 
 class TokenRangeIn(BaseModel):
@@ -36,24 +48,273 @@ class RetentionIn(BaseModel):
     decode_duration_s: float | None = None
 
 
-class CompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class Refusal(NamedTuple):
+    """A parameter a node cannot honour, and why."""
+
+    param: str
+    reason: str
+
+
+#: Parameters (OpenAI's, or well-known extensions of vLLM's) that a node cannot honour, with the
+#: values that ask for nothing (accepted) and the reason given when another value is sent. Only
+#: checked among the fields a request model does not declare itself.
+CANNOT: dict[str, tuple[tuple[Any, ...], str]] = {
+    "suffix": ((None, ""), "insertion after a suffix is not supported"),
+    "audio": ((None,), "audio output is not supported"),
+    "modalities": ((None, ["text"]), "only text output is supported"),
+    "prediction": ((None,), "predicted outputs are not supported"),
+    "reasoning_effort": ((None,), "the model does not reason"),
+    "verbosity": ((None,), "verbosity is not supported"),
+    "web_search_options": ((None,), "web search is not supported"),
+    "functions": ((None, []), "function calling is not supported (tools with tool_choice 'none' render the "
+                              "tools into the prompt)"),
+    "function_call": ((None, "none"), "function calling is not supported"),
+    "echo": ((None, False), "echo is not supported for chats"),
+    "chat_template": ((None,), "a node renders chats with its own template (GET /v1/chat/template), the one the "
+                               "router routes by"),
+    "chat_template_kwargs": ((None, {}), "a node renders chats with its own template's defaults, the ones the "
+                                         "router routes by"),
+    "documents": ((None, []), "documents are not supported"),
+    "continue_final_message": ((None, False), "continuing the final message is not supported"),
+    "min_tokens": ((None, 0), "min_tokens is not supported"),
+    "use_beam_search": ((None, False), "beam search is not supported"),
+    "length_penalty": ((None, 1.0), "beam search is not supported"),
+    "prompt_logprobs": ((None,), "prompt logprobs are not supported"),
+    "include_stop_str_in_output": ((None, False), "the stop string is never included in the output"),
+    "skip_special_tokens": ((None, True), "special tokens are always skipped in the text"),
+    "guided_json": ((None,), "constrained decoding is not supported"),
+    "guided_regex": ((None,), "constrained decoding is not supported"),
+    "guided_choice": ((None,), "constrained decoding is not supported"),
+    "guided_grammar": ((None,), "constrained decoding is not supported"),
+    "structured_outputs": ((None,), "constrained decoding is not supported"),
+    "response_format": ((None, {"type": "text"}), "only text output is supported"),
+    "allowed_token_ids": ((None,), "allowed_token_ids is not supported"),
+    "bad_words": ((None, []), "bad_words is not supported"),
+    "logits_processors": ((None,), "custom logits processors are not supported"),
+    "truncate_prompt_tokens": ((None,), "prompts are never truncated"),
+}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    include_usage: StrictBool | None = Field(
+        default=None, description="A last chunk with empty choices and the usage (and usage null on the others).")
+
+
+class GenerationBody(BaseModel):
+    """What both kinds of request share: sampling, streaming, kvflow's extensions."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = Field(default=None, max_length=256,
                               description="The model to serve it (a node serves one): the router sends the request "
                                           "only to nodes of this model; a node refuses another (404).")
-    prompt: str | list[TokenId] = Field(description="Text, or token ids.")
-    max_tokens: StrictInt = Field(default=16, ge=1, le=8192)
-    temperature: float = Field(default=0.0, ge=0.0, le=2.0)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0, description="Default 0: greedy.")
+    top_p: float | None = Field(default=None, ge=0.0, le=1.0, description="Nucleus sampling (default 1: off).")
+    top_k: StrictInt | None = Field(default=None, ge=-1, description="Only the k likeliest tokens; 0 or -1: off.")
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0,
+                                description="Only tokens at least this fraction as likely as the likeliest.")
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, ge=0.01, le=100.0,
+                                             description="Hugging Face's, over prompt and output (default 1: off).")
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        default=None, max_length=1024, description="Token id (as a string) -> bias added to its logit.")
     seed: StrictInt | None = Field(default=None, ge=-(1 << 63), le=(1 << 64) - 1,
-                                   description="Sampling seed (with temperature > 0); a 64-bit integer.")
+                                   description="Sampling seed (with temperature > 0); a 64-bit integer. With n > 1, "
+                                               "sequence i uses seed + i.")
+    n: StrictInt = Field(default=1, ge=1, le=16, description="Sequences per prompt (they share the prompt's KV).")
+    stop: Annotated[str, Field(min_length=1, max_length=256)] | list[
+        Annotated[str, Field(min_length=1, max_length=256)]] | None = Field(
+        default=None, max_length=16, description="Stop strings: never in the output; finish_reason 'stop'.")
+    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=64,
+                                                 description="Token ids that end a sequence (finish_reason 'stop').")
     stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(default=None, max_length=1024, description="Accepted; logged by nothing.")
     kv_retention: RetentionIn | None = None
     lora_id: StrictInt | None = Field(default=None, ge=0, le=(1 << 63) - 1)
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256, description=SALT)
     ignore_eos: StrictBool = False
-    n: StrictInt = Field(default=1, ge=1, le=1, description="Only 1 is supported.")
-    user: str | None = Field(default=None, max_length=256)
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options is not None and self.stream_options.include_usage)
+
+    def refusals(self) -> list[Refusal]:
+        """The parameters of this request that a node cannot honour (empty: none)."""
+        out = []
+        for name, value in (self.model_extra or {}).items():
+            if name not in CANNOT:
+                continue  # unknown: ignored, as vLLM does
+            accepted, reason = CANNOT[name]
+            if not any(value == a for a in accepted):
+                out.append(Refusal(name, reason))
+        if self.stream_options is not None and not self.stream:
+            out.append(Refusal("stream_options", "stream_options needs stream: true"))
+        return out
+
+
+class CompletionRequest(GenerationBody):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
+        description="Text, token ids, or a list of either (one choice per prompt and n).")
+    max_tokens: StrictInt | None = Field(default=16, ge=1, le=8192,
+                                         description="Default 16; null: up to the context (and the node's KV).")
+    echo: StrictBool = Field(default=False, description="The prompt's text before the completion.")
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=20,
+                                       description="Each token's logprob and the top N alternatives.")
+    best_of: StrictInt | None = Field(default=None, ge=1, description="Only null or equal to n.")
+
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The prompts, one per choice group: texts or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [p]
+        return cast("list[str] | list[list[int]]", p)
+
+    def refusals(self) -> list[Refusal]:
+        out = super().refusals()
+        if self.best_of is not None and self.best_of != self.n:
+            out.append(Refusal("best_of", f"best_of {self.best_of} != n {self.n}: every sequence generated is "
+                                          "returned (best_of must be null or equal to n)"))
+        if self.echo and self.logprobs is not None:
+            out.append(Refusal("echo", "echo with logprobs (the prompt's logprobs) is not supported"))
+        if len(self.prompts()) * self.n > MAX_SEQUENCES:
+            out.append(Refusal("n", f"{len(self.prompts())} prompts x n {self.n} is more than {MAX_SEQUENCES} "
+                                    "sequences"))
+        return out
+
+
+class ContentPart(BaseModel):
+    """A part of a message's content; only text parts (``text``, or ``refusal`` in an assistant's)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+    refusal: str | None = None
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    arguments: str | dict[str, Any] = Field(default="{}", description="JSON text (OpenAI) or an object.")
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    id: str | None = None
+    type: str = "function"
+    function: FunctionCall
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str = Field(description="system, developer (rendered as system), user, assistant or tool.")
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class ToolFunction(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ChatTool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str = "function"
+    function: ToolFunction
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str = "function"
+    function: dict[str, Any]
+
+
+#: Roles a message may have (``developer`` is rendered as ``system``).
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class _Conversation(BaseModel):
+    """What a chat template renders: the messages, the tools, the generation prompt."""
+
+    model_config = ConfigDict(extra="allow")
+
+    messages: list[ChatMessage] = Field(min_length=1, max_length=10_000)
+    tools: list[ChatTool] | None = Field(default=None, max_length=256,
+                                         description="Rendered into the prompt (tool_choice must be 'none').")
+    add_generation_prompt: StrictBool = Field(default=True, description="The template's assistant header at the end.")
+
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """The messages as given (``eventbus.chat.normalize_messages`` makes them what templates expect)."""
+        return [m.model_dump(exclude_unset=True) for m in self.messages]
+
+    def chat_tools(self) -> list[dict[str, Any]] | None:
+        return None if self.tools is None else [t.model_dump(exclude_unset=True) for t in self.tools]
+
+
+class ChatCompletionRequest(GenerationBody, _Conversation):
+    """``POST /v1/chat/completions``: rendered through the node's chat template (``eventbus.chat``)."""
+
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1, le=8192,
+                                                    description="Default: up to the context (and the node's KV).")
+    max_tokens: StrictInt | None = Field(default=None, ge=1, le=8192,
+                                         description="Deprecated by OpenAI: max_completion_tokens wins.")
+    logprobs: StrictBool | None = Field(default=None, description="Each output token's logprob.")
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20, description="Alternatives per token.")
+    tool_choice: str | NamedToolChoice | None = Field(
+        default=None, description="Only 'none' with tools: the node does not call functions.")
+    parallel_tool_calls: StrictBool | None = None
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def refusals(self) -> list[Refusal]:
+        out = super().refusals()
+        for i, m in enumerate(self.messages):
+            if m.role not in ROLES:
+                out.append(Refusal(f"messages[{i}].role", f"role {m.role!r} is not one of {', '.join(ROLES)}"))
+            for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+                if part.type not in ("text", "refusal"):
+                    out.append(Refusal(f"messages[{i}].content[{j}].type",
+                                       f"content parts of type {part.type!r} are not supported (text only)"))
+                elif (part.text if part.type == "text" else part.refusal) is None:
+                    out.append(Refusal(f"messages[{i}].content[{j}]", f"a {part.type} part needs its {part.type!r}"))
+        for i, t in enumerate(self.tools or []):
+            if t.type != "function":
+                out.append(Refusal(f"tools[{i}].type", f"tools of type {t.type!r} are not supported"))
+        choice = self.tool_choice
+        if choice is None and self.tools:
+            choice = "auto"  # OpenAI's default with tools
+        if choice not in (None, "none") and (self.tools or choice != "auto"):
+            what = choice if isinstance(choice, str) else "a named function"
+            out.append(Refusal("tool_choice", f"tool_choice {what!r} needs function calling, which a node does not "
+                                              "do (the default with tools is 'auto'): send tool_choice 'none' to "
+                                              "render the tools into the prompt"))
+        if self.top_logprobs is not None and not self.logprobs:
+            out.append(Refusal("top_logprobs", "top_logprobs needs logprobs: true"))
+        return out
 
 
 class RouteRequest(BaseModel):
@@ -66,3 +327,35 @@ class RouteRequest(BaseModel):
     lora_id: StrictInt | None = Field(default=None, ge=0, le=(1 << 63) - 1)
     model: str | None = Field(default=None, max_length=256, description="Only nodes serving this model.")
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256, description=SALT)
+
+
+class _Proxied(BaseModel):
+    """What the router reads of a body it proxies: only what routing needs. Everything else is
+    forwarded unchanged, for the node to check (a router must not be stricter than its engines)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = Field(default=None, max_length=256, description="Only nodes serving this model.")
+    stream: StrictBool = False
+    kv_retention: RetentionIn | None = None
+    lora_id: StrictInt | None = Field(default=None, ge=0, le=(1 << 63) - 1)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256, description=SALT)
+
+
+class ProxiedCompletion(_Proxied):
+    """``POST /v1/completions`` as the router reads it (routed by its first prompt)."""
+
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
+        description="Text, token ids, or a list of either (all go to one node, chosen by the first).")
+
+    def first_prompt(self) -> str | list[int]:
+        """The prompt the decision is made for: the only one, or the first of a list."""
+        p = self.prompt
+        if isinstance(p, str) or not p or isinstance(p[0], int):
+            return cast("str | list[int]", p)
+        first: str | list[int] = p[0]
+        return first
+
+
+class ProxiedChat(_Proxied, _Conversation):
+    """``POST /v1/chat/completions`` as the router reads it: what the chat template renders."""

@@ -20,8 +20,11 @@ class Tokenizer(Protocol):
     vocab_size: int
     eos_token_id: int | None
 
-    def encode(self, text: str) -> list[int]: ...
-    def encode_compact(self, text: str) -> Sequence[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The ids of ``text``; ``add_special_tokens=False``: without the post-processor's BOS/EOS
+        (a rendered chat, whose template wrote them)."""
+        ...
+    def encode_compact(self, text: str, add_special_tokens: bool = True) -> Sequence[int]:
         """The ids of ``encode``, as the cheapest sequence to hash (``bytes`` for byte tokens)."""
         ...
     def decode(self, ids: list[int]) -> str: ...
@@ -34,10 +37,10 @@ class ByteTokenizer:
     vocab_size = 257
     eos_token_id: int | None = 256
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def encode_compact(self, text: str) -> Sequence[int]:
+    def encode_compact(self, text: str, add_special_tokens: bool = True) -> Sequence[int]:
         return text.encode("utf-8")  # bytes: a sequence of the same ids, hashed without a list
 
     def decode(self, ids: list[int]) -> str:
@@ -55,11 +58,11 @@ class HFTokenizer:
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_token_id = _eos_id(path, self._tok)
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=True).ids)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
-    def encode_compact(self, text: str) -> Sequence[int]:
-        return self.encode(text)
+    def encode_compact(self, text: str, add_special_tokens: bool = True) -> Sequence[int]:
+        return self.encode(text, add_special_tokens)
 
     def decode(self, ids: list[int]) -> str:
         return str(self._tok.decode(ids, skip_special_tokens=True))

@@ -1,5 +1,11 @@
-"""``POST /v1/completions`` on a node: check the request, submit it to the engine, answer in
-OpenAI's ``text_completion`` shape (whole, or streamed as server-sent events).
+"""``POST /v1/completions`` and ``POST /v1/chat/completions`` on a node, and ``GET /v1/chat/template``.
+
+A body is checked and planned (``inference_node.generation``), its sequences submitted to the
+engine, and the answer given in OpenAI's shapes, whole or streamed (``inference_node.answers``).
+A chat is rendered through the node's chat template (``eventbus.chat``; ``GET /v1/chat/template``
+serves it, with its version, to the router, which routes chats by the same rendering) and
+tokenized without special tokens (the template writes them), so a conversation's next turn starts
+with the tokens of the previous one and reuses its cached blocks.
 
 The usage says how many prompt tokens came from the cache
 (``usage.prompt_tokens_details.cached_tokens``); the answer names the node (``x-kvflow-node``).
@@ -7,21 +13,16 @@ The usage says how many prompt tokens came from the cache
 
 from __future__ import annotations
 
-import asyncio
-import json
-import time
-import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from eventbus.api import CompletionRequest
+from eventbus.api import ChatCompletionRequest, CompletionRequest, GenerationBody
+from eventbus.chat import ChatTemplateError, normalize_messages
+from inference_node.answers import Answer, ChatShape, Shape, TextShape
 from inference_node.deps import authorized, error, metrics_of, node_of
-from inference_node.engine import GenerationRequest, Output, RequestHandle
-from inference_node.kv.retention import KvCacheRetentionConfig, RetentionConfigError, TokenRange
-from inference_node.metrics import Metrics
+from inference_node.generation import Plan, check_model, plan, refused
 from inference_node.node import Node
 
 router = APIRouter()
@@ -30,134 +31,60 @@ router = APIRouter()
 @router.post("/v1/completions", dependencies=authorized)
 async def completions(body: CompletionRequest, request: Request) -> Any:
     node = node_of(request)
-    req = generation_request(node, body)
-    if isinstance(req, JSONResponse):
-        return req
-    answer = Answer(node, metrics_of(request), req.request_id,
-                    node.engine.submit(req, asyncio.get_running_loop()))
+    if (bad := _check(node, body)) is not None:
+        return bad
+    prompts = body.prompts()
+    if prompts and isinstance(prompts[0], str):
+        ids = [node.tokenizer.encode(p) for p in prompts]
+    else:
+        ids = [list(p) for p in prompts]  # type: ignore[arg-type]
+    if not ids:
+        return error(400, "the prompt is empty", param="prompt")
+    planned = plan(node, body, ids, body.max_tokens, body.logprobs, "cmpl")
+    if isinstance(planned, JSONResponse):
+        return planned
+    echo = None
+    if body.echo:
+        echo = [p if isinstance(p, str) else node.tokenizer.decode(list(p)) for p in prompts]
+    return await _answer(request, body, planned, TextShape(node.tokenizer, echo))
+
+
+@router.post("/v1/chat/completions", dependencies=authorized)
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+    node = node_of(request)
+    if (bad := _check(node, body)) is not None:
+        return bad
+    try:
+        text = node.chat_template.render(normalize_messages(body.chat_messages()),
+                                         add_generation_prompt=body.add_generation_prompt, tools=body.chat_tools())
+    except ChatTemplateError as exc:
+        return error(400, f"messages: {exc}", param="messages")
+    ids = node.tokenizer.encode(text, add_special_tokens=False)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    planned = plan(node, body, [ids], body.token_limit(), logprobs, "chatcmpl")
+    if isinstance(planned, JSONResponse):
+        return planned
+    return await _answer(request, body, planned, ChatShape(node.tokenizer))
+
+
+def _check(node: Node, body: GenerationBody) -> JSONResponse | None:
+    """404 for another model, 400 naming the parameters the node cannot honour; None: go on."""
+    bad = check_model(node, body.model)
+    if bad is None and (refusals := body.refusals()):
+        bad = refused(refusals)
+    return bad
+
+
+async def _answer(request: Request, body: GenerationBody, planned: Plan, shape: Shape) -> Any:
+    answer = Answer(node_of(request), metrics_of(request), planned, shape, body.include_usage)
     if body.stream:
         return StreamingResponse(answer.stream(), media_type="text/event-stream",
-                                 headers={"x-kvflow-node": node.settings.node_id, "cache-control": "no-cache"})
+                                 headers={**answer.headers, "cache-control": "no-cache"})
     return await answer.whole()
 
 
-def generation_request(node: Node, body: CompletionRequest) -> GenerationRequest | JSONResponse:
-    """The engine's request for ``body``, or the 4xx that says what is wrong with it."""
-    s = node.settings
-    cfg = node.model.cfg
-    if body.model is not None and body.model not in (cfg.name, s.node_id):
-        return error(404, f"model {body.model!r} is not served here; this node serves {cfg.name!r}",
-                     "model_not_found")
-    try:
-        retention = None if body.kv_retention is None else KvCacheRetentionConfig(
-            token_ranges=tuple(TokenRange(r.start, r.end, r.priority, r.duration_s)
-                               for r in body.kv_retention.token_ranges),
-            decode_priority=body.kv_retention.decode_priority,
-            decode_duration_s=body.kv_retention.decode_duration_s)
-    except RetentionConfigError as exc:
-        return error(400, f"kv_retention: {exc}")
-    if isinstance(body.prompt, str):
-        prompt_ids = node.tokenizer.encode(body.prompt)
-    else:
-        prompt_ids = body.prompt
-        bad = [t for t in prompt_ids if not 0 <= t < cfg.vocab_size]
-        if bad:
-            return error(400, f"prompt token ids must be within 0..{cfg.vocab_size - 1}; got {bad[:3]}")
-    if not prompt_ids:
-        return error(400, "the prompt is empty")
-    ctx = cfg.max_position_embeddings
-    if len(prompt_ids) + body.max_tokens > ctx:
-        return error(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({body.max_tokens}) exceeds "
-                          f"the context length of {ctx}", "context_length_exceeded")
-    need = -(-(len(prompt_ids) + body.max_tokens) // s.block_size)
-    if need > s.num_blocks:
-        return error(400, f"this request needs {need} KV blocks; the node has {s.num_blocks}")
-    return GenerationRequest(f"cmpl-{uuid.uuid4().hex[:24]}", prompt_ids, body.max_tokens, body.temperature,
-                             body.seed, retention, body.lora_id, body.cache_salt, body.ignore_eos)
-
-
-class Answer:
-    """The answer to one submitted request, from the engine's outputs (``handle``)."""
-
-    def __init__(self, node: Node, metrics: Metrics, rid: str, handle: RequestHandle) -> None:
-        self.node = node
-        self.metrics = metrics
-        self.rid = rid
-        self.handle = handle
-        self.created = int(time.time())
-
-    def _chunk(self, choice: dict[str, Any], **extra: Any) -> dict[str, Any]:
-        return {"id": self.rid, "object": "text_completion", "created": self.created,
-                "model": self.node.model.cfg.name, "choices": [{"index": 0, **choice}], **extra}
-
-    def _first_token(self) -> None:
-        self.metrics.ttft.observe(time.monotonic() - self.handle.submitted)
-
-    def _finished(self, done: Output) -> dict[str, Any]:
-        """Count a finished request; returns its ``usage``."""
-        m = self.metrics
-        m.requests.labels(done.finish_reason or "unknown").inc()
-        m.prompt_tokens.inc(done.prompt_tokens)
-        m.cached_tokens.inc(done.cached_tokens)
-        m.completion_tokens.inc(done.completion_tokens)
-        m.latency.observe(time.monotonic() - self.handle.submitted)
-        return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-                "total_tokens": done.prompt_tokens + done.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
-
-    async def whole(self) -> JSONResponse:
-        """The whole completion once it is done."""
-        node = self.node
-        tokens: list[int] = []
-        try:
-            async for out in self.handle:
-                if out.error:
-                    return error(503, out.error, "server_error")
-                if out.token_id is not None:
-                    if not tokens:
-                        self._first_token()
-                    tokens.append(out.token_id)
-                if out.finished:
-                    usage = self._finished(out)
-                    choice = {"text": node.tokenizer.decode(tokens), "token_ids": tokens,
-                              "finish_reason": out.finish_reason, "logprobs": None}
-                    return JSONResponse(self._chunk(choice, usage=usage, kvflow={
-                        "node_id": node.settings.node_id, "instance_id": node.instance_id}),
-                        headers={"x-kvflow-node": node.settings.node_id})
-        except asyncio.CancelledError:
-            node.engine.cancel(self.rid)
-            raise
-        return error(500, "the request ended without output", "server_error")
-
-    async def stream(self) -> AsyncIterator[bytes]:
-        """Server-sent events: one per token (its text delta), the last with the usage, then
-        ``[DONE]``. A token that ends inside a multi-byte character waits for the next."""
-        tokenizer = self.node.tokenizer
-        tokens: list[int] = []
-        sent = ""
-        try:
-            async for out in self.handle:
-                if out.error:
-                    yield _sse({"error": {"message": out.error, "type": "server_error"}})
-                    break
-                if out.token_id is not None:
-                    if not tokens:
-                        self._first_token()
-                    tokens.append(out.token_id)
-                    text = tokenizer.decode(tokens)
-                    delta = "" if text.endswith("\ufffd") else text[len(sent):]
-                    sent += delta
-                    yield _sse(self._chunk({"text": delta, "token_ids": [out.token_id], "finish_reason": None,
-                                            "logprobs": None}))
-                if out.finished:
-                    usage = self._finished(out)
-                    tail = tokenizer.decode(tokens)[len(sent):]
-                    yield _sse(self._chunk({"text": tail, "finish_reason": out.finish_reason, "logprobs": None},
-                                           usage=usage))
-            yield b"data: [DONE]\n\n"
-        finally:
-            self.node.engine.cancel(self.rid)  # a no-op when finished; frees the blocks after a disconnect
-
-
-def _sse(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+@router.get("/v1/chat/template", dependencies=authorized)
+async def chat_template(request: Request) -> dict[str, Any]:
+    """The node's chat template, its special tokens and version (docs/protocol.md)."""
+    node = node_of(request)
+    return {"model": node.model.cfg.name, **node.chat_template.to_json()}

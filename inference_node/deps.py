@@ -43,9 +43,11 @@ def authorize(request: Request) -> None:
 authorized: list[Any] = [Depends(authorize)]
 
 
-def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    """An answer in OpenAI's error shape."""
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind}})
+def error(status: int, message: str, kind: str = "invalid_request_error", *, param: str | None = None,
+          code: str | None = None) -> JSONResponse:
+    """An answer in OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
+    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param,
+                                                               "code": code}})
 
 
 async def on_engine(node: Node, fn: Callable[[], T]) -> T:

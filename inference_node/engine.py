@@ -5,9 +5,19 @@ cached prefix; only the uncached suffix is computed, reading the prefix from the
 one decode step for every running request in one batched forward (continuous batching: requests
 join and leave between steps), (3) performs the block copies the core asks for (offload to and
 onboard from the host pool, before the forward that needs them), and (4) drains the core's events
-to the publisher. ``NodeStats`` heartbeats go out from a thread of their own (:class:`Heartbeat`),
+to the publisher. ``NodeStats`` heartbeats go out from a thread of their own
+(``inference_node.heartbeat``),
 so that a long prefill does not make the node look gone; a node that stops says goodbye with a
 last heartbeat (:meth:`Engine.stop`).
+
+Each sequence samples with its own :class:`~inference_node.sampling.Sampler` (penalties, top-p/k,
+min-p, logit bias, logprobs, a seeded generator) and is detokenized here too
+(``inference_node.detok``), so that a stop string ends it at the token that completes it and
+frees its blocks at once: an ``Output`` carries the text that is safe to show (a possible start of
+a stop string is held back until it is resolved), and the texts of a sequence's outputs add up to
+its whole answer, streamed or not. A sequence ends on EOS (unless ``ignore_eos``) or one of its
+``stop_token_ids`` (neither is part of the text), on a stop string (not part of the text either),
+or at ``max_tokens``.
 
 Everything that touches the core or the tensors happens on this thread; the HTTP server talks
 to it through :meth:`Engine.submit` (outputs come back on an asyncio queue) and
@@ -35,11 +45,14 @@ import torch
 
 from eventbus.protocol import InstanceId, NodeCounters, NodeId, NodeStats
 from eventbus.tokenizers import Tokenizer
+from inference_node.detok import Detokenizer
+from inference_node.heartbeat import Heartbeat
 from inference_node.kv.manager import GPU, BlockCopy, KVCacheManager, OutOfBlocks
 from inference_node.kv.prompt import Prompt
 from inference_node.kv.retention import KvCacheRetentionConfig
 from inference_node.model.llama import KVPool, LlamaModel, SeqBatchItem, copy_block
 from inference_node.publisher import ControlListener, Publisher
+from inference_node.sampling import Sampled, Sampler, SamplingParams, StopStrings
 
 log = logging.getLogger("kvflow.engine")
 T = TypeVar("T")
@@ -60,11 +73,22 @@ class GenerationRequest:
     lora_id: int | None = None
     cache_salt: str | None = None
     ignore_eos: bool = False
+    #: the sampling parameters (None: greedy, or ``temperature`` with ``seed``)
+    sampling: SamplingParams | None = None
+    #: stop strings (never part of the text) and token ids that end the sequence
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    #: the sequence's index among a request's ``n`` (its seed is ``seed + seed_offset``)
+    seed_offset: int = 0
+
+    def params(self) -> SamplingParams:
+        return self.sampling or SamplingParams(temperature=self.temperature, seed=self.seed)
 
 
 @dataclass
 class Output:
-    """One step of a request's output, sent to its handle."""
+    """One step of a request's output, sent to its handle: a token and the text it makes safe to
+    show; the last one (``finished``) has the text still held and the usage."""
 
     token_id: int | None
     finished: bool = False
@@ -73,23 +97,32 @@ class Output:
     cached_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    text: str = ""
+    #: the token's logprob and the top alternatives (with ``SamplingParams.logprobs``)
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 class RequestHandle:
-    """The server's side of a request: outputs arrive on an asyncio queue."""
+    """The server's side of a request: outputs arrive on an asyncio queue, as ``(index, output)``.
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+    The sequences of one answer (``n`` > 1, several prompts) may share one queue, each handle with
+    its ``index``; iterating a handle (``async for``) is for a queue of its own."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, *,
+                 queue: asyncio.Queue[tuple[int, Output]] | None = None, index: int = 0) -> None:
         self.request_id = request_id
         self.loop = loop
-        self.queue: asyncio.Queue[Output] = asyncio.Queue()
+        self.index = index
+        self.queue: asyncio.Queue[tuple[int, Output]] = queue if queue is not None else asyncio.Queue()
         self.submitted = time.monotonic()
 
     def put(self, out: Output) -> None:  # called from the engine thread
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.index, out))
 
     async def __aiter__(self) -> Any:
         while True:
-            out = await self.queue.get()
+            _, out = await self.queue.get()
             yield out
             if out.finished:
                 return
@@ -101,7 +134,9 @@ class _Running:
     handle: RequestHandle
     prompt_len: int
     cached_tokens: int
-    generator: torch.Generator | None
+    sampler: Sampler
+    detok: Detokenizer
+    stops: StopStrings
     last_token: int
     generated: int = 1
     started: float = field(default_factory=time.monotonic)
@@ -178,8 +213,10 @@ class Engine:
             self.publisher.sink.send_stats(msgspec.structs.replace(self.node_stats(), status="stopping"))
         self.publisher.sink.flush(5)
 
-    def submit(self, req: GenerationRequest, loop: asyncio.AbstractEventLoop) -> RequestHandle:
-        handle = RequestHandle(req.request_id, loop)
+    def submit(self, req: GenerationRequest, loop: asyncio.AbstractEventLoop,
+               handle: RequestHandle | None = None) -> RequestHandle:
+        """Queue ``req``; its outputs go to ``handle`` (default: a new one of its own)."""
+        handle = handle or RequestHandle(req.request_id, loop)
         with self._wake:
             if self.fatal is not None:  # a crashed engine answers at once instead of queueing forever
                 handle.put(Output(None, True, "error", error=f"engine crashed: {self.fatal}"))
@@ -301,7 +338,11 @@ class Engine:
         # What can fail for this request alone fails before the core caches anything of it: once
         # allocated, its new blocks are cached and must be computed, so a later failure is fatal.
         try:
-            gen = torch.Generator().manual_seed(req.seed) if req.seed is not None and req.temperature > 0 else None
+            params = req.params()
+            if params.seed is not None and not -(1 << 63) <= params.seed < 1 << 64:
+                raise ValueError(f"seed {params.seed} is not a 64-bit integer")
+            params.validate(self.model.cfg.vocab_size)
+            sampler = Sampler(params, req.prompt_ids, req.seed_offset)
             prompt = Prompt.from_tokens(req.prompt_ids, self.block_size, lora_id=req.lora_id,
                                         cache_salt=req.cache_salt)
         except (ValueError, OverflowError, TypeError) as exc:
@@ -316,10 +357,11 @@ class Engine:
         logits = self.model([SeqBatchItem(req.prompt_ids[start:], start, alloc.block_table)], self.gpu_pool)[0]
         self.stats.prefill_seconds += time.perf_counter() - t0
         self.stats.prefill_tokens_computed += n - start
-        token = self._sample(logits, req.temperature, gen)
-        run = _Running(req, handle, n, start, gen, token)
+        sampled = sampler.sample(logits)
+        run = _Running(req, handle, n, start, sampler, Detokenizer(self.tokenizer), StopStrings(req.stop),
+                       sampled.token_id)
         self._running[req.request_id] = run
-        self._emit(run, token)
+        self._emit(run, sampled)
         return True
 
     # ----------------------------------------------------------------- decode
@@ -346,40 +388,46 @@ class Engine:
         logits = self.model(batch, self.gpu_pool)
         self.stats.decode_seconds += time.perf_counter() - t0
         self.stats.decode_steps += 1
-        for run, lg in zip(runs, logits, strict=True):
-            token = self._sample(lg, run.req.temperature, run.generator)
-            run.last_token = token
+        sampled_all = Sampler.sample_batch([r.sampler for r in runs], torch.stack(logits))
+        for run, sampled in zip(runs, sampled_all, strict=True):
+            run.last_token = sampled.token_id
             run.generated += 1
-            self._emit(run, token)
+            self._emit(run, sampled)
 
-    def _emit(self, run: _Running, token: int) -> None:
+    def _emit(self, run: _Running, sampled: Sampled) -> None:
+        """Send one sampled token with the text it makes safe to show; end the sequence on EOS, a
+        stop token id, a stop string (the text before it is the answer) or ``max_tokens``."""
         self.stats.generated_tokens += 1
-        req = run.req
+        req, token = run.req, sampled.token_id
         eos = self.tokenizer.eos_token_id
-        stop = not req.ignore_eos and eos is not None and token == eos
-        if stop or run.generated >= req.max_tokens:
-            reason = "stop" if stop else "length"  # with ignore_eos an EOS token is just a token
-            run.handle.put(Output(token))
-            self._finish(run, reason)
-        else:
-            run.handle.put(Output(token))
+        # with ignore_eos an EOS token is just a token
+        ends = (not req.ignore_eos and eos is not None and token == eos) or token in req.stop_token_ids
+        text, stopped = "", False
+        if not ends:
+            run.detok.add(token)
+            text, stopped = run.stops.feed(run.detok.text)
+        run.handle.put(Output(token, text=text, logprob=sampled.logprob, top_logprobs=sampled.top_logprobs))
+        if ends or stopped:
+            self._finish(run, "stop", flush=not stopped)
+        elif run.generated >= req.max_tokens:
+            self._finish(run, "length")
 
-    def _finish(self, run: _Running, reason: str) -> None:
+    def _finish(self, run: _Running, reason: str, flush: bool = True) -> None:
+        """End a sequence: free its blocks; the last output has the text still held (unless a
+        stop string ended it: what followed it is never shown) and the usage."""
         rid = run.req.request_id
         self._running.pop(rid, None)
         self.core.free(rid)
         self.stats.finished += 1
-        run.handle.put(Output(None, True, reason, run.prompt_len, run.cached_tokens, run.generated))
-
-    @staticmethod
-    def _sample(logits: torch.Tensor, temperature: float, gen: torch.Generator | None) -> int:
-        if temperature <= 0:
-            return int(torch.argmax(logits).item())
-        # Shifted first, so that any temperature > 0 (even 1e-300) gives finite scores: the best
-        # token scores 0, the others <= 0 (-inf at worst), never inf - inf.
-        z = logits.double()
-        probs = torch.softmax((z - z.max()) / temperature, dim=-1).cpu()
-        return int(torch.multinomial(probs, 1, generator=gen).item())
+        tail = ""
+        if flush:
+            run.detok.finish()
+            tail, stopped = run.stops.feed(run.detok.text)
+            if stopped:
+                reason = "stop"
+            else:
+                tail += run.stops.finish()
+        run.handle.put(Output(None, True, reason, run.prompt_len, run.cached_tokens, run.generated, text=tail))
 
     def _copy(self, copies: list[BlockCopy]) -> None:
         for c in copies:
@@ -409,59 +457,3 @@ class Engine:
                 offloads_by_priority={str(k): v for k, v in sorted(st.offloads_by_priority.items())},
                 events_published=self.publisher.events_sent, events_overflowed=st.events_overflowed),
         )
-
-
-class Heartbeat:
-    """Sends the engine's ``NodeStats`` every ``interval_s`` from a thread of its own.
-
-    Each beat asks the engine thread for fresh stats (:meth:`Engine.call`); if the engine does not
-    answer within a fraction of the interval (a long prefill holds it), the last stats go out
-    again with the current time, so the node stays live. A crashed engine sends none.
-    """
-
-    def __init__(self, engine: Engine, interval_s: float) -> None:
-        self.engine = engine
-        self.interval_s = interval_s
-        self.sent = 0
-        self.stale_sent = 0  # beats that repeated the last stats (the engine was busy)
-        self._last: NodeStats | None = None
-        self._pending: concurrent.futures.Future[NodeStats] | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{engine.node_id}", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(5)
-
-    def _run(self) -> None:
-        while True:
-            stats = self._beat()
-            if stats is not None:
-                self.engine.publisher.sink.send_stats(stats)
-                self.sent += 1
-            if self._stop.wait(self.interval_s):
-                return
-
-    def _beat(self) -> NodeStats | None:
-        """The stats to send now (None: nothing to send)."""
-        if self.engine.fatal is not None:
-            return None
-        if self._pending is None:
-            self._pending = self.engine.call(self.engine.node_stats)
-        try:
-            stats = self._pending.result(timeout=min(0.5, self.interval_s / 2))
-        except concurrent.futures.TimeoutError:  # busy: the last stats, now (the call stays queued)
-            if self._last is None:
-                return None
-            self.stale_sent += 1
-            return msgspec.structs.replace(self._last, ts=time.time())
-        except RuntimeError:  # the engine crashed meanwhile
-            self._pending = None
-            return None
-        self._pending = None
-        self._last = stats
-        return stats

@@ -11,6 +11,7 @@ import torch
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from eventbus.chat import ChatTemplate, load_chat_template
 from eventbus.config import KafkaSettings
 from eventbus.protocol import InstanceId, NodeId
 from eventbus.tokenizers import Tokenizer, load_tokenizer
@@ -73,6 +74,8 @@ class Node:
     engine: Engine
     sink: Sink
     control: ControlListener | None
+    #: the chat template (the model folder's, else kvflow's default; ``eventbus.chat``)
+    chat_template: ChatTemplate
 
     def close(self) -> None:
         self.engine.stop()
@@ -122,7 +125,8 @@ def build_node(s: NodeSettings, kafka: KafkaSettings | None = None, *, sink: Sin
                     publisher=publisher, node_id=s.node_id, instance_id=instance_id, url=url,
                     model_name=model.cfg.name, max_running=s.max_running, heartbeat_s=s.heartbeat_s,
                     control=control)
-    node = Node(s, instance_id, url, device, model, tokenizer, core, engine, sink, control)
+    node = Node(s, instance_id, url, device, model, tokenizer, core, engine, sink, control,
+                load_chat_template(s.model_dir))
     if start:
         if control is not None:
             control.start()

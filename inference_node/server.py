@@ -1,10 +1,11 @@
 """The node's HTTP API (FastAPI): OpenAI-style completions with KV retention, and the KV state.
 
-* ``POST /v1/completions`` — ``model``, ``prompt`` (text or token ids), ``max_tokens``,
-  ``temperature``, ``seed``, ``stream`` (server-sent events), plus ``kv_retention``
-  ``{token_ranges, decode_priority, decode_duration_s}``, ``lora_id``, ``cache_salt``. The response's
-  ``usage.prompt_tokens_details.cached_tokens`` says how many prompt tokens came from the cache
-  (:mod:`inference_node.completions`).
+* ``POST /v1/completions`` and ``POST /v1/chat/completions`` — OpenAI's bodies (``eventbus.api``:
+  the standard sampling parameters, ``n``, ``stop``, ``logprobs``, streaming with
+  ``stream_options``), plus ``kv_retention`` ``{token_ranges, decode_priority, decode_duration_s}``,
+  ``lora_id``, ``cache_salt``. The response's ``usage.prompt_tokens_details.cached_tokens`` says how
+  many prompt tokens came from the cache (:mod:`inference_node.completions`).
+* ``GET /v1/chat/template`` — the chat template the node renders chats with, and its version.
 * ``GET /v1/kv/state`` — the node's ground truth, in the shapes of the events.
 * ``GET /v1/kv/stats``, ``GET /v1/models``, ``GET /healthz``, ``GET /metrics`` (Prometheus).
 
@@ -24,6 +25,7 @@ from fastapi import APIRouter, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eventbus.http import BodyLimit
 from inference_node import completions
@@ -45,7 +47,7 @@ def create_app(node: Node) -> FastAPI:
         k.strip() for k in s.api_keys.get_secret_value().split(",") if k.strip()) if s.api_keys else frozenset()
     app.add_middleware(BodyLimit, max_bytes=s.max_request_bytes)
     app.exception_handler(RequestValidationError)(_on_invalid)
-    app.exception_handler(HTTPException)(_on_http)
+    app.exception_handler(StarletteHTTPException)(_on_http)  # the framework's own 404 and 405 too
     app.include_router(router)
     app.include_router(completions.router)
     return app
@@ -59,9 +61,15 @@ async def _on_invalid(request: Request, exc: RequestValidationError) -> JSONResp
     return error(422, "; ".join(parts))
 
 
-async def _on_http(request: Request, exc: HTTPException) -> JSONResponse:
-    return JSONResponse(status_code=exc.status_code, content={"error": {"message": exc.detail, "type": "http_error"}},
-                        headers=exc.headers)
+async def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    message = exc.detail
+    if not isinstance(exc, HTTPException) and exc.status_code == 404:
+        message = f"no such endpoint: {request.method} {request.url.path}"
+    elif not isinstance(exc, HTTPException) and exc.status_code == 405:
+        message = f"method not allowed: {request.method} {request.url.path}"
+    return JSONResponse(status_code=exc.status_code, headers=exc.headers, content={"error": {
+        "message": message, "type": "not_found" if exc.status_code == 404 else "http_error", "param": None,
+        "code": None}})
 
 
 @router.get("/healthz")

@@ -50,6 +50,8 @@ class RouterSettings(BaseSettings):
         "Take the load of the requests this router saw finish off the heartbeat that still counts them "
         "(false: the heartbeat's load as it is, as before; for comparisons)."))
     upstream_timeout_s: float = Field(default=300.0, gt=0, description="Timeout of a proxied request.")
+    chat_template_ttl_s: float = Field(default=60.0, ge=0, description=(
+        "How long a model's chat template, fetched from a node, is used before it is fetched again."))
     recent_decisions: int = Field(default=200, ge=1, description="Decisions kept for the dashboard.")
     max_request_bytes: int = Field(default=4 * 1024 * 1024, description="Largest request body accepted.")
 

@@ -66,7 +66,7 @@ class Routed:
 
 
 async def prepare(state: RouterState, token_ids: Sequence[int] | None, text: str | None, lora_id: int | None,
-                  salt: str | None, model: str | None) -> Prompt:
+                  salt: str | None, model: str | None, *, special_tokens: bool = True) -> Prompt:
     """Tokenize and hash the prompt in the block size of the fleet that may serve it.
 
     Args:
@@ -76,6 +76,8 @@ async def prepare(state: RouterState, token_ids: Sequence[int] | None, text: str
         lora_id: the LoRA adapter, part of every block's hash.
         salt: the cache salt (a tenant's name), part of the first block's hash.
         model: only nodes serving this model may be chosen (None: any).
+        special_tokens: whether ``text`` is tokenized with the tokenizer's special tokens (a
+            completion's prompt, as the nodes do), or without (a rendered chat: its template wrote them).
 
     Raises:
         HTTPException: 404 when no node serves ``model``.
@@ -90,14 +92,15 @@ async def prepare(state: RouterState, token_ids: Sequence[int] | None, text: str
         rows, degraded = state.reader.last_nodes, True
     if model is not None and not any(r["model"] == model for r in rows):
         raise HTTPException(404, f"model {model!r} is not served by any node")
-    tokens: Sequence[int] = state.tokenizer.encode_compact(text or "") if token_ids is None else token_ids
+    tokens: Sequence[int] = token_ids if token_ids is not None else \
+        state.tokenizer.encode_compact(text or "", add_special_tokens=special_tokens)
     fleet = state.fleet.view(rows, model)
     hashes = prompt_hash_heads(tokens, fleet.block_size, lora_id=lora_id, cache_salt=salt)
     return Prompt(tokens, hashes, len(hashes) // 8, fleet, degraded)
 
 
 async def route(state: RouterState, token_ids: Sequence[int] | None, text: str | None, lora_id: int | None,
-                salt: str | None, model: str | None) -> Routed:
+                salt: str | None, model: str | None, *, special_tokens: bool = True) -> Routed:
     """Decide where a prompt goes (arguments as :func:`prepare`), count it and format the answer.
 
     ``decision_ms`` covers it all: the nodes' read, tokenizing, hashing, the query, scoring.
@@ -107,7 +110,7 @@ async def route(state: RouterState, token_ids: Sequence[int] | None, text: str |
         Unavailable: no fleet known yet.
     """
     t0 = time.perf_counter()
-    prompt = await prepare(state, token_ids, text, lora_id, salt, model)
+    prompt = await prepare(state, token_ids, text, lora_id, salt, model, special_tokens=special_tokens)
     matches: dict[NodeId, PrefixMatch] = {}  # none when degraded: load alone
     if not prompt.degraded:
         try:

@@ -59,10 +59,18 @@ def authorize(keys: Mapping[str, ApiKey], header: str, needed: str) -> ApiKey | 
     return key
 
 
-def scope(needed: str) -> Any:
-    """The dependency of an endpoint that needs the scope ``needed``: the request's key (or None)."""
+def scope(needed: str, *alternatives: str) -> Any:
+    """The dependency of an endpoint that needs the scope ``needed`` (or one of ``alternatives``):
+    the request's key (or None)."""
 
     async def check(request: Request) -> ApiKey | None:  # async: no thread hop per request
-        return authorize(state_of(request.app).keys, request.headers.get("authorization", ""), needed)
+        keys, header = state_of(request.app).keys, request.headers.get("authorization", "")
+        for other in alternatives:
+            try:
+                return authorize(keys, header, other)
+            except HTTPException as exc:
+                if exc.status_code != 403:
+                    raise
+        return authorize(keys, header, needed)
 
     return Depends(check)

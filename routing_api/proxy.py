@@ -1,7 +1,7 @@
 """Proxying a routed request to the chosen node: in-flight accounting, streaming, upstream errors.
 
-Endpoint-neutral: ``POST /v1/completions`` uses it, and so can any other OpenAI endpoint that the
-nodes serve under the same path (the body is forwarded as given).
+Endpoint-neutral: ``POST /v1/completions`` and ``POST /v1/chat/completions`` use it; the body is
+forwarded as the client sent it (byte for byte, unless a tenant's key sets its ``cache_salt``).
 
 A node whose connection is refused or times out (``httpx.ConnectError``, ``ConnectTimeout``:
 nothing was sent) becomes suspect, and the request goes to the next candidate in the decision's
@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
 import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -30,8 +29,8 @@ log = logging.getLogger("kvflow.router")
 NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
 
 
-async def forward(state: RouterState, routed: Routed, path: str, payload: dict[str, Any], stream: bool) -> Response:
-    """Send ``payload`` to ``path`` on the routed node and answer with the node's response.
+async def forward(state: RouterState, routed: Routed, path: str, content: bytes, stream: bool) -> Response:
+    """Send ``content`` to ``path`` on the routed node and answer with the node's response.
 
     The response names the node that answered (``x-kvflow-node``) and its cached prompt tokens
     (``x-kvflow-matched-tokens``). A node's 2xx and 4xx answers pass through; with ``stream`` a
@@ -41,7 +40,7 @@ async def forward(state: RouterState, routed: Routed, path: str, payload: dict[s
         state: the process's state (the HTTP client, the in-flight counts).
         routed: the decision (:func:`routing_api.decisions.route`).
         path: the node's endpoint, e.g. ``/v1/completions``.
-        payload: the JSON body to send.
+        content: the JSON body to send.
         stream: whether the client asked for server-sent events.
 
     Returns:
@@ -55,7 +54,8 @@ async def forward(state: RouterState, routed: Routed, path: str, payload: dict[s
     refused: list[tuple[str, httpx.HTTPError]] = []
     for cand in ranked:
         done = state.start_proxy(cand.node_id, routed.prompt_blocks)
-        request = state.client.build_request("POST", f"{cand.url.rstrip('/')}{path}", json=payload)
+        request = state.client.build_request("POST", f"{cand.url.rstrip('/')}{path}", content=content,
+                                           headers={"content-type": "application/json"})
         try:
             upstream = await state.client.send(request, stream=True)
         except NOT_SENT as exc:

@@ -23,6 +23,7 @@ from routing_api.config import ApiKey, RouterSettings
 from routing_api.fleet import FleetView, fleet_view
 from routing_api.queries import StateReader
 from routing_api.scoring import Decision, Finished, RoutingWeights
+from routing_api.templates import ChatTemplates
 from state_store.config import DatabaseSettings
 
 #: How long the router waits to connect to a node (the whole request: ``upstream_timeout_s``).
@@ -101,6 +102,8 @@ class RouterState:
     weights: RoutingWeights
     keys: dict[str, ApiKey]
     client: httpx.AsyncClient
+    #: the chat template of each model (None: made from ``client`` and the settings)
+    templates: ChatTemplates = None  # type: ignore[assignment]
     metrics: Metrics = field(default_factory=Metrics)
     fleet: FleetCache = field(default_factory=lambda: FleetCache(None))
     inflight: dict[NodeId, Inflight] = field(default_factory=lambda: collections.defaultdict(Inflight))
@@ -113,6 +116,10 @@ class RouterState:
     upstream_errors: int = 0
     started: float = field(default_factory=time.time)
     rng: random.Random = field(default_factory=random.Random)
+
+    def __post_init__(self) -> None:
+        if self.templates is None:
+            self.templates = ChatTemplates(self.client, self.settings.chat_template_ttl_s)
 
     @classmethod
     def open(cls, settings: RouterSettings, keys: dict[str, ApiKey], database_url: str, db: DatabaseSettings,

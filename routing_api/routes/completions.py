@@ -1,24 +1,102 @@
-"""``POST /v1/completions``: route, then proxy to the chosen node (``routing_api.proxy``)."""
+"""``POST /v1/completions`` and ``POST /v1/chat/completions``: route, then proxy to the chosen node
+(``routing_api.proxy``), and ``GET /v1/models``, the models of the live fleet.
+
+The router reads only what routing needs (``eventbus.api.ProxiedCompletion``, ``ProxiedChat``:
+the model, the prompt or messages, ``cache_salt``, ``kv_retention``, ``lora_id``, ``stream``) and
+forwards the body as the client sent it, so every parameter a node accepts works through it, and
+a node's 400 for one it cannot honour comes back as it is. A tenant's key sets ``cache_salt`` (its
+KV never mixes with another's): then the body is re-encoded with it.
+
+A chat is routed by its prompt as the node will compute it: the messages rendered through the
+model's chat template (``routing_api.templates``), tokenized without special tokens (the template
+writes them), hashed and matched as a completion's text.
+"""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Response
+import json
+from collections import defaultdict
+from typing import Any
 
-from eventbus.api import CompletionRequest
+from fastapi import APIRouter, HTTPException, Request, Response
+
+from eventbus.api import ProxiedChat, ProxiedCompletion
+from eventbus.chat import ChatTemplateError, normalize_messages
 from routing_api.config import ApiKey
 from routing_api.decisions import route
 from routing_api.deps import State, scope
+from routing_api.errors import error_response
 from routing_api.proxy import forward
+from routing_api.queries import DatabaseUnavailable
+from routing_api.state import RouterState
 
 router = APIRouter()
 
 
+async def _body(request: Request, key: ApiKey | None) -> tuple[bytes, str | None]:
+    """The body to forward and the cache salt to route with (a tenant's, set in the body)."""
+    raw = await request.body()
+    if key is None or not key.tenant:
+        return raw, None
+    payload = json.loads(raw)
+    payload["cache_salt"] = key.tenant
+    return json.dumps(payload).encode(), key.tenant
+
+
 @router.post("/v1/completions")
-async def completions(req: CompletionRequest, state: State, key: ApiKey | None = scope("complete")) -> Response:
-    payload = req.model_dump(exclude_none=True, exclude_defaults=False)
-    if key is not None and key.tenant:
-        payload["cache_salt"] = key.tenant  # a tenant's KV never mixes with another's
-    tokens = req.prompt if isinstance(req.prompt, list) else None
-    text = req.prompt if isinstance(req.prompt, str) else None
-    routed = await route(state, tokens, text, req.lora_id, payload.get("cache_salt"), req.model)
-    return await forward(state, routed, "/v1/completions", payload, req.stream)
+async def completions(req: ProxiedCompletion, request: Request, state: State,
+                      key: ApiKey | None = scope("complete")) -> Response:
+    content, tenant = await _body(request, key)
+    prompt = req.first_prompt()
+    text, tokens = (prompt, None) if isinstance(prompt, str) else (None, prompt)
+    routed = await route(state, tokens, text, req.lora_id, tenant or req.cache_salt, req.model)
+    return await forward(state, routed, "/v1/completions", content, req.stream)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(req: ProxiedChat, request: Request, state: State,
+                           key: ApiKey | None = scope("complete")) -> Response:
+    content, tenant = await _body(request, key)
+    rows = await _rows(state)
+    model = req.model or _only_model(rows)
+    if not any(r["model"] == model for r in rows):
+        raise HTTPException(404, f"model {model!r} is not served by any node")
+    template = await state.templates.get(model, rows)
+    text = ""  # no template known: routed by load alone (the node renders the chat itself)
+    if template is not None:
+        try:
+            text = template.render(normalize_messages(req.chat_messages()),
+                                   add_generation_prompt=req.add_generation_prompt, tools=req.chat_tools())
+        except ChatTemplateError as exc:  # the node would refuse it the same way
+            return error_response(400, f"messages: {exc}")
+    routed = await route(state, None, text, req.lora_id, tenant or req.cache_salt, model, special_tokens=False)
+    return await forward(state, routed, "/v1/chat/completions", content, req.stream)
+
+
+async def _rows(state: RouterState) -> list[Any]:
+    try:
+        return list(await state.reader.nodes())
+    except DatabaseUnavailable:
+        if not state.reader.known:
+            raise
+        return list(state.reader.last_nodes)
+
+
+def _only_model(rows: list[Any]) -> str:
+    models = sorted({r["model"] for r in rows if r["status"] != "gone" and r["model"]})
+    if len(models) != 1:
+        raise HTTPException(400, f"model is required: the fleet serves {', '.join(models) or 'no model'}")
+    return str(models[0])
+
+
+@router.get("/v1/models")
+async def models(state: State, _: ApiKey | None = scope("read", "complete")) -> dict[str, Any]:
+    """OpenAI's model list: each model that a live node serves, with those nodes (``kvflow.nodes``)."""
+    serving: dict[str, list[str]] = defaultdict(list)
+    for r in await _rows(state):
+        if r["status"] in ("live", "resyncing") and r["model"] and r["url"]:
+            serving[r["model"]].append(r["node_id"])
+    created = int(state.started)
+    return {"object": "list", "data": [
+        {"id": m, "object": "model", "created": created, "owned_by": "kvflow", "kvflow": {"nodes": nodes}}
+        for m, nodes in sorted(serving.items())]}

@@ -34,15 +34,26 @@ def test_completion_reports_cached_tokens_and_names_the_node(client):
     assert first["object"] == "text_completion" and first["kvflow"]["node_id"] == "node-a"
 
 
-def test_streaming_sends_one_event_per_token_then_usage_then_done(client):
-    with client.stream("POST", "/v1/completions", json={"prompt": [1, 2, 3, 4], "max_tokens": 3, "stream": True}) as r:
+def stream_chunks(client, body: dict) -> list[dict]:
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
-    chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
+    return [json.loads(ln[6:]) for ln in lines[:-1]]
+
+
+def test_streaming_sends_one_event_per_token_then_the_finish_then_done(client):
+    chunks = stream_chunks(client, {"prompt": [1, 2, 3, 4], "max_tokens": 3})
     assert [len(c["choices"][0].get("token_ids", [])) for c in chunks] == [1, 1, 1, 0]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-    assert chunks[-1]["usage"]["completion_tokens"] == 3
+    assert all("usage" not in c for c in chunks)  # OpenAI's: only with stream_options.include_usage
+
+
+def test_stream_options_include_usage_adds_a_last_event_with_the_usage(client):
+    chunks = stream_chunks(client, {"prompt": [1, 2, 3, 4], "max_tokens": 3, "stream_options": {"include_usage": True}})
+    assert [c["usage"] for c in chunks[:-1]] == [None] * 4
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {
+        "prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7, "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_kv_state_is_the_ground_truth_the_events_describe(client):
@@ -69,7 +80,12 @@ def test_kv_state_is_the_ground_truth_the_events_describe(client):
     ({"prompt": "x", "kv_retention": {"token_ranges": [{"start": 0, "priority": 50, "duration_s": -1}]}}, 400,
      "duration_s must be finite and >= 0"),
     ({"prompt": "x", "max_tokens": "many"}, 422, "max_tokens: Input should be a valid integer"),
-    ({"prompt": "x", "surprise": True}, 422, "surprise: Extra inputs are not permitted"),
+    ({"prompt": "x", "suffix": "after"}, 400, "unsupported parameter: suffix: insertion after a suffix"),
+    ({"prompt": "x", "best_of": 2}, 400, "best_of 2 != n 1"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options needs stream: true"),
+    ({"prompt": "x", "logit_bias": {"999999": 5}}, 400, "logit_bias: '999999' is not a token id"),
+    ({"prompt": "x", "top_p": 1.5}, 422, "top_p: Input should be less than or equal to 1"),
+    ({"prompt": "x", "n": 17}, 422, "n: Input should be less than or equal to 16"),
     ({"prompt": ""}, 400, "the prompt is empty"),
     ({"prompt": [1, 2, 99999]}, 400, "prompt token ids must be within"),
     ({"prompt": [1, -2]}, 422, "Input should be greater than or equal to 0"),

@@ -44,7 +44,7 @@ def run(handler, stream: bool = False) -> tuple[httpx.Response, RouterState, lis
     s = state(record)
 
     async def go():
-        response = await forward(s, routed(), "/v1/completions", {"prompt": "x"}, stream)
+        response = await forward(s, routed(), "/v1/completions", b'{"prompt": "x"}', stream)
         body = b"".join([chunk async for chunk in response.body_iterator]) if stream else response.body
         return httpx.Response(response.status_code, headers=response.headers, content=body)
 
