@@ -63,7 +63,8 @@ async def stats(state: State, _: ApiKey | None = scope("read")) -> dict[str, Any
     return {**_counts(state),
             "inflight": {k: asdict(v) for k, v in state.inflight.items() if v.requests},
             "uptime_s": round(time.time() - state.started, 1), "weights": asdict(state.weights),
-            "tokenizer": state.tokenizer.name, "recent_decisions": list(state.recent)[:20]}
+            "tokenizer": state.tokenizer.name, "chat_templates": state.templates.describe(),
+            "recent_decisions": list(state.recent)[:20]}
 
 
 @router.get("/v1/dashboard/data")

@@ -142,6 +142,8 @@ def test_a_multi_turn_chat_stays_on_the_node_holding_its_history(fleet, sdk):
     block = 32
     cached = second.parse().usage.prompt_tokens_details.cached_tokens
     assert cached >= (answer.usage.prompt_tokens // block) * block
+    # the router rendered the chat as the node did: it matched those blocks before sending it
+    assert int(second.headers["x-kvflow-matched-tokens"]) >= (answer.usage.prompt_tokens // block) * block
 
 
 def test_n_sequences_share_the_prompts_blocks(sdk):
