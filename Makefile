@@ -67,7 +67,7 @@ test-unit: $(STAMP) ## Only the tests that need no services
 
 lint: $(STAMP) ## ruff and mypy
 	$(BIN)/ruff check .
-	$(BIN)/mypy eventbus inference_node state_store routing_api kvflow migrations
+	$(BIN)/mypy eventbus inference_node state_store routing_api bridge kvflow migrations
 
 up: $(STAMP) ## Start the local stack (Kafka + PostgreSQL) and migrate the database
 	$(BIN)/kvflow stack up

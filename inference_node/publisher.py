@@ -39,9 +39,15 @@ from eventbus.protocol import (
     decode_control,
     encode,
 )
-from inference_node.kv.manager import KVCacheManager
-
 log = logging.getLogger("kvflow.publisher")
+
+
+class EventSource(Protocol):
+    """What a publisher drains: the KV core (``KVCacheManager``), or a bridge's translator
+    (``bridge.translate.Translator``)."""
+
+    def drain_events(self, max_events: int | None = None) -> list[Event]: ...
+    def request_snapshot(self) -> None: ...
 
 
 class Sink(Protocol):
@@ -179,7 +185,7 @@ class KafkaSink:
 class Publisher:
     """Drains one core into batches for one sink (call :meth:`pump` from the core's thread)."""
 
-    def __init__(self, core: KVCacheManager, sink: Sink, node_id: NodeId, instance_id: InstanceId, *,
+    def __init__(self, core: EventSource, sink: Sink, node_id: NodeId, instance_id: InstanceId, *,
                  max_events_per_batch: int = 2000, max_in_flight: int = 1000,
                  max_batch_bytes: int = PUBLISH_BATCH_BYTES, clock: Callable[[], float] = time.time) -> None:
         self.core = core

@@ -329,6 +329,60 @@ def node_cmd(
     guarded("node", run)
 
 
+@app.command("bridge")
+def bridge_cmd(
+    engine: Annotated[str, typer.Argument(help="vllm, sglang or trtllm.")],
+    node_id: Annotated[str | None, typer.Option("--node-id", help="The node's name in kvflow (Kafka key).")] = None,
+    events: Annotated[str | None, typer.Option("--events", help="The engine's ZMQ PUB endpoint (vllm, sglang), "
+                                                                "e.g. tcp://127.0.0.1:5557.")] = None,
+    replay: Annotated[str | None, typer.Option("--replay", help="Its replay endpoint, e.g. "
+                                                                "tcp://127.0.0.1:5558.")] = None,
+    engine_url: Annotated[str | None, typer.Option("--engine-url", help="The engine's OpenAI server.")] = None,
+    metrics_url: Annotated[str | None, typer.Option("--metrics-url", help="Its Prometheus page.")] = None,
+    model: Annotated[str | None, typer.Option("--model", help="The model (default: /v1/models).")] = None,
+    block_size: Annotated[int | None, typer.Option("--block-size", help="Tokens per block.")] = None,
+    num_blocks: Annotated[int | None, typer.Option("--num-blocks", help="GPU blocks (default: metrics).")] = None,
+    reset_engine_cache: Annotated[bool | None, typer.Option(
+        "--reset-engine-cache/--no-reset-engine-cache",
+        help="Empty the engine's prefix cache when kvflow's view of it is partial.")] = None,
+    log_level: Annotated[str, typer.Option(help="Log level.")] = "info",
+) -> None:
+    """Publish a real engine's KV events and load to kvflow, as a node (docs/bridges.md)."""
+    import logging
+
+    from bridge.main import build, run
+    from bridge.service import BridgeSettings
+
+    overrides: dict[str, Any] = {k: v for k, v in {
+        "engine": engine, "node_id": node_id, "events": events, "replay": replay, "engine_url": engine_url,
+        "metrics_url": metrics_url, "model": model, "block_size": block_size, "num_blocks": num_blocks,
+        "reset_engine_cache": reset_engine_cache}.items() if v is not None}
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def go() -> None:
+        from pydantic import ValidationError
+
+        from eventbus.config import KafkaSettings, RuntimeSettings
+
+        try:
+            settings = BridgeSettings(**overrides)
+            kafka_settings = KafkaSettings()
+            kafka_settings.check(RuntimeSettings().env)
+            bridge = build(settings, kafka_settings)
+        except (ValueError, ValidationError) as exc:
+            raise StackError(str(exc)) from exc
+        console.print(f"bridge {settings.node_id}: {settings.engine} at {settings.engine_url}"
+                      f"{f', events {settings.events}' if settings.events else ''} (instance {bridge.instance_id})",
+                      highlight=False)
+        with signals_stop():
+            try:
+                run(bridge)
+            except Stopped:
+                pass
+
+    guarded("bridge", go)
+
+
 @bench_app.command("node")
 def bench_node_cmd(json_path: JsonOpt = None, quick: QuickOpt = False,
                    device: Annotated[str, typer.Option(help="cpu, cuda or auto.")] = "auto") -> None:
