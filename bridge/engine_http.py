@@ -98,6 +98,7 @@ class EngineClient:
         self.page_size = page_size
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(timeout=timeout_s, headers=headers)
+        self._unparsed = False
 
     def load(self) -> EngineLoad | None:
         """The engine's load now; None when its metrics do not answer (the node then goes stale)."""
@@ -107,7 +108,13 @@ class EngineClient:
         except httpx.HTTPError as exc:
             log.warning("engine metrics %s: %s", self.metrics_url, exc)
             return None
-        return EngineLoad.parse(self.engine, r.text, self.page_size)
+        try:
+            return EngineLoad.parse(self.engine, r.text, self.page_size)
+        except ValueError as exc:  # answered, but not Prometheus text (trtllm-serve's /metrics is JSON)
+            if not self._unparsed:
+                log.warning("engine metrics %s are not Prometheus text (%s): load unknown", self.metrics_url, exc)
+            self._unparsed = True
+            return EngineLoad()
 
     def model(self) -> str | None:
         """The first model of ``GET /v1/models`` (None: the engine did not answer)."""

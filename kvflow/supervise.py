@@ -253,11 +253,38 @@ def stop_groups(procs: list[subprocess.Popen[bytes]], grace_s: float = 20.0,
         _signal_group(p, signal.SIGKILL)  # what is left of its group
         with contextlib.suppress(subprocess.TimeoutExpired):
             p.wait(5)
+        _wait_group_gone(p.pid, 5.0)  # a signal is delivered asynchronously: wait until it took
 
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` still runs (zombies do not count); Linux's /proc, else
+    whether the group can be signalled."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+            return True
+    return False
+
+
+def _wait_group_gone(pgid: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ from bridge.translate import Translator
 from bridge.wire import AllBlocksCleared, BlockRemoved, BlockStored, EngineBatch, WireError, decode_frames
 from eventbus.hashing import block_hash, chain_digests
 from eventbus.replay import NodeState
-from inference_node.publisher import InMemorySink, Publisher
+from inference_node.publisher import InMemorySink
 
 pytestmark = pytest.mark.unit
 

@@ -103,3 +103,18 @@ def test_sasl_override_requires_the_kafka_password():
     proc = _compose("-f", "docker-compose.yml", "-f", "docker-compose.sasl.yml", "config", env=SECRETS)
     assert proc.returncode != 0
     assert "KVFLOW_KAFKA_PASSWORD" in proc.stderr
+
+
+def test_vllm_override_adds_an_engine_and_its_bridge():
+    proc = _compose("-f", "docker-compose.yml", "-f", "docker-compose.vllm.yml", "config", "--format", "json",
+                    env={**SECRETS, "VLLM_MODEL": "Qwen/Qwen2.5-0.5B-Instruct"})
+    assert proc.returncode == 0, proc.stderr
+    services = json.loads(proc.stdout)["services"]
+    assert {"vllm", "bridge-vllm"} <= set(services)
+    cmd = services["bridge-vllm"]["command"]
+    assert cmd[:2] == ["bridge", "vllm"] and "tcp://vllm:5557" in cmd and "tcp://vllm:5558" in cmd
+    events = json.loads(services["vllm"]["command"][services["vllm"]["command"].index("--kv-events-config") + 1])
+    assert events["enable_kv_cache_events"] and events["endpoint"] == "tcp://*:5557"
+    assert services["bridge-vllm"]["environment"]["KVFLOW_BRIDGE_ENGINE_API_KEY"] == "nodekey"
+    missing = _compose("-f", "docker-compose.yml", "-f", "docker-compose.vllm.yml", "config", env=SECRETS)
+    assert missing.returncode != 0 and "VLLM_MODEL" in missing.stderr
