@@ -103,6 +103,7 @@ class Translator:
         self._keys: dict[EngineKey, BlockDigest] = {}
         self._present: set[tuple[EngineKey, int]] = set()
         self._held: dict[BlockDigest, _Held] = {}
+        self._on = [0, 0]  # held blocks per level
         self.log.emit(Created(num_blocks_per_cache_level=list(num_blocks)))
 
     # ------------------------------------------------------------------ the event source
@@ -121,7 +122,8 @@ class Translator:
         return len(self._held)
 
     def blocks_on(self, level: int) -> int:
-        return sum(1 for h in self._held.values() if h.level == level)
+        """Blocks kvflow holds on ``level`` (kept as they change: the heartbeat reads it often)."""
+        return self._on[level]
 
     def request_snapshot(self) -> None:
         self.log.snapshot_requested = True
@@ -206,13 +208,13 @@ class Translator:
         if held is not None:
             before = held.level
             held.refs[level] += 1
-            if held.level != before:
-                self.log.emit(Updated(block_hash=held.wire, cache_level=LevelDiff(old=before, new=held.level)))
+            self._moved(held, before)
             return None
         refs = [0, 0]
         refs[level] = 1
         wire = block_hash(digest)
         self._held[digest] = _Held(wire, parent, size, lora_id, priority, refs)
+        self._on[level] += 1
         self.stats.stored_blocks += 1
         return StoredBlock(block_hash=wire, num_tokens=size, lora_id=lora_id, cache_level=level, priority=priority)
 
@@ -237,10 +239,11 @@ class Translator:
             held.refs[level_] -= 1
             if not any(held.refs):
                 del self._held[digest]
+                self._on[before] -= 1
                 gone.append(held.wire)
                 self.stats.removed_blocks += 1
-            elif held.level != before:
-                self.log.emit(Updated(block_hash=held.wire, cache_level=LevelDiff(old=before, new=held.level)))
+            else:
+                self._moved(held, before)
         if gone:
             self.log.removed(gone, close=True)
 
@@ -260,11 +263,20 @@ class Translator:
             held.refs[level] += 1
             if held.level != old:
                 level_diff = LevelDiff(old=old, new=held.level)
+                self._on[old] -= 1
+                self._on[held.level] += 1
         if priority is not None and priority != held.priority:
             prio_diff = PriorityDiff(old=held.priority, new=priority)
             held.priority = priority
         if level_diff is not None or prio_diff is not None:
             self.log.emit(Updated(block_hash=held.wire, cache_level=level_diff, priority=prio_diff))
+
+    def _moved(self, held: _Held, before: int) -> None:
+        """``held`` was on ``before``: if its level changed, count it and say so (``updated``)."""
+        if held.level != before:
+            self._on[before] -= 1
+            self._on[held.level] += 1
+            self.log.emit(Updated(block_hash=held.wire, cache_level=LevelDiff(old=before, new=held.level)))
 
     def _skip(self, counter: str, n: int) -> None:
         setattr(self.stats, counter, getattr(self.stats, counter) + n)

@@ -7,6 +7,7 @@ Errors the user can fix are printed in one line (``kvflow <cmd>: …``) with exi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 from collections.abc import Callable
@@ -374,13 +375,19 @@ def bridge_cmd(
         console.print(f"bridge {settings.node_id}: {settings.engine} at {settings.engine_url}"
                       f"{f', events {settings.events}' if settings.events else ''} (instance {bridge.instance_id})",
                       highlight=False)
-        with signals_stop():
-            try:
-                run(bridge)
-            except Stopped:
-                pass
+        with signals_stop(), contextlib.suppress(Stopped):  # a stop signal: run's finally says goodbye
+            run(bridge)
 
     guarded("bridge", go)
+
+
+@bench_app.command("bridge")
+def bench_bridge_cmd(json_path: JsonOpt = None, quick: QuickOpt = False) -> None:
+    """Blocks/s one bridge translates from a vLLM publisher into Kafka, next to the publisher's own rate."""
+    from kvflow.bench.bridge import bench_bridge
+
+    kw: dict[str, Any] = {"batches": 60, "repeats": 1, "rate_run_s": 1.5} if quick else {}
+    _run_bench("bridge", json_path, lambda say: bench_bridge(say=say, **kw))
 
 
 @bench_app.command("node")
