@@ -12,7 +12,7 @@ never read the fleet answers 503 ``no fleet known yet``.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,20 +33,35 @@ DEGRADED = "degraded (PostgreSQL unreachable): the last known fleet, by load alo
 
 @dataclass(slots=True)
 class Prompt:
-    """A request's prompt, ready to decide on: its tokens, its full blocks' hashes, the fleet's view."""
+    """A request's prompt, ready to decide on: its tokens, its full blocks' hashes in each block size
+    of the fleet that may serve it, the fleet's view."""
 
     tokens: Sequence[int]
-    #: the full blocks' hashes, packed 8 bytes each (``eventbus.hashing.prompt_hash_heads``)
-    hashes: bytes
-    blocks: int
+    #: block size → the full blocks' hashes in it, packed 8 bytes each (``eventbus.hashing.prompt_hash_heads``):
+    #: one entry per size of the live candidates (``FleetView.sizes``)
+    hashed: dict[int, bytes]
     fleet: FleetView
     #: the fleet is the last one read: PostgreSQL could not be read for this decision
     degraded: bool = False
 
+    @property
+    def blocks(self) -> int:
+        """The prompt's full blocks in the decision's block size (``fleet.block_size``)."""
+        return len(self.tokens) // self.fleet.block_size
+
+    @property
+    def hashes(self) -> bytes:
+        """The full blocks' hashes in the decision's block size (b"" if no live candidate has it)."""
+        return self.hashed.get(self.fleet.block_size, b"")
+
 
 @dataclass(slots=True)
 class Routed:
-    """A decision made: the decision, its answer's body (``POST /v1/route``), the prompt's blocks."""
+    """A decision made: the decision, its answer's body (``POST /v1/route``), the prompt's blocks.
+
+    ``prompt_blocks``, ``block_size`` and ``matched_tokens`` are the chosen node's (in a fleet of
+    several block sizes, each candidate has its own: ``Candidate.prompt_blocks``, ``.block_size``,
+    ``.matched_tokens``)."""
 
     decision: Decision
     body: dict[str, Any]
@@ -60,14 +75,14 @@ class Routed:
 
     @property
     def block_size(self) -> int:
-        """The block size the prompt was hashed in."""
+        """The chosen node's block size (without one: the decision's)."""
         size: int = self.body["block_size"]
         return size
 
 
 async def prepare(state: RouterState, token_ids: Sequence[int] | None, text: str | None, lora_id: int | None,
                   salt: str | None, model: str | None, *, special_tokens: bool = True) -> Prompt:
-    """Tokenize and hash the prompt in the block size of the fleet that may serve it.
+    """Tokenize the prompt, and hash it in each block size of the fleet that may serve it.
 
     Args:
         state: the process's state (the reader, the tokenizer, the fleet views).
@@ -95,8 +110,9 @@ async def prepare(state: RouterState, token_ids: Sequence[int] | None, text: str
     tokens: Sequence[int] = token_ids if token_ids is not None else \
         state.tokenizer.encode_compact(text or "", add_special_tokens=special_tokens)
     fleet = state.fleet.view(rows, model)
-    hashes = prompt_hash_heads(tokens, fleet.block_size, lora_id=lora_id, cache_salt=salt)
-    return Prompt(tokens, hashes, len(hashes) // 8, fleet, degraded)
+    # nothing is kept across requests: a prompt is hashed once per size, for this decision
+    hashed = {b: prompt_hash_heads(tokens, b, lora_id=lora_id, cache_salt=salt) for b in fleet.sizes}
+    return Prompt(tokens, hashed, fleet, degraded)
 
 
 async def route(state: RouterState, token_ids: Sequence[int] | None, text: str | None, lora_id: int | None,
@@ -111,21 +127,23 @@ async def route(state: RouterState, token_ids: Sequence[int] | None, text: str |
     """
     t0 = time.perf_counter()
     prompt = await prepare(state, token_ids, text, lora_id, salt, model, special_tokens=special_tokens)
-    matches: dict[NodeId, PrefixMatch] = {}  # none when degraded: load alone
-    if not prompt.degraded:
-        try:
-            matches = await state.reader.prefix_matches(prompt.hashes)
+    fleet = prompt.fleet
+    matches: Mapping[NodeId, PrefixMatch] = {}  # none when degraded: load alone
+    if not prompt.degraded and prompt.hashed:
+        try:  # one round trip, whatever the number of sizes
+            matches = fleet.own_size_matches(await state.reader.prefix_matches_by_size(prompt.hashed))
         except DatabaseUnavailable:
             prompt.degraded = True  # the query failed: degraded as well
-    views = overlay(prompt.fleet.views, state.suspect_until, state.inflight, time.monotonic(), state.finished)
-    decision = decide(prompt.blocks, views, matches, state.weights, state.rng)
+    views = overlay(fleet.views, state.suspect_until, state.inflight, time.monotonic(), state.finished)
+    decision = decide(prompt.blocks, views, matches, state.weights, state.rng, block_size=fleet.block_size,
+                      tokens=len(prompt.tokens))
     if prompt.degraded:
         _degrade(state, decision)
     elapsed = time.perf_counter() - t0
-    body = decision_body(decision, len(prompt.tokens), prompt.blocks, prompt.fleet.block_size, elapsed,
-                         degraded=prompt.degraded, gone_nodes=prompt.fleet.gone)
-    state.record_decision(decision, prompt.blocks, len(prompt.tokens), body["matched_tokens"], elapsed)
-    return Routed(decision, body, prompt.blocks)
+    body = decision_body(decision, len(prompt.tokens), prompt.blocks, fleet.block_size, elapsed,
+                         degraded=prompt.degraded, gone_nodes=fleet.gone)
+    state.record_decision(decision, body["prompt_blocks"], len(prompt.tokens), body["matched_tokens"], elapsed)
+    return Routed(decision, body, body["prompt_blocks"])
 
 
 def _degrade(state: RouterState, decision: Decision) -> None:

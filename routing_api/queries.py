@@ -1,6 +1,7 @@
 """The router's reads, through the read-only role: the nodes (cached briefly) and, per decision,
-one indexed query for who holds which of the prompt's blocks; for the pages, a node's cache by
-priority, the fleet's composition and hit rates. All of the router's SQL is here.
+one indexed query for who holds which of the prompt's blocks (in each block size of the fleet);
+for the pages, a node's cache by priority, the fleet's composition and hit rates. All of the
+router's SQL is here.
 
 When PostgreSQL cannot be reached, every read raises :class:`DatabaseUnavailable`, and for
 ``RETRY_S`` after a failure reads raise it at once, without trying; the last ``nodes`` rows read
@@ -13,7 +14,7 @@ import asyncio
 import logging
 import struct
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import asyncpg
@@ -40,6 +41,13 @@ FROM nodes n ORDER BY node_id
 # Its argument is the prompt's hashes packed 8 bytes each (eventbus.hashing.prompt_hash_heads).
 # routing_api.scoring.prefix_match is the same computation in Python (tests compare the two).
 PREFIX_MATCHES = "SELECT node_id, blocks, gpu, leaf_priority FROM kvflow_prefix_matches($1::bytea)"
+# The same for a fleet of several block sizes, in one round trip: the prompt hashed in each size
+# ($2[i] in blocks of $1[i]), each matched by kvflow_prefix_matches (measured against one query per
+# size, run one after the other or at once on two connections: docs/router.md, "What it decides").
+PREFIX_MATCHES_BY_SIZE = """
+SELECT s.size, m.node_id, m.blocks, m.gpu, m.leaf_priority
+FROM unnest($1::integer[], $2::bytea[]) AS s(size, hashes) CROSS JOIN LATERAL kvflow_prefix_matches(s.hashes) AS m
+"""
 # One node's cache by tier and priority (GET /v1/nodes/{node_id}).
 CACHE_BY_PRIORITY = """
 SELECT cache_level, priority, blocks, tokens FROM node_cache_by_priority WHERE node_id = $1
@@ -252,15 +260,41 @@ class StateReader:
             hashes = pack_sql_hashes(hashes)
         if not hashes:
             return {}
+        rows = await self._hot_fetch(PREFIX_MATCHES, hashes)
+        return {r[0]: PrefixMatch(gpu=r[2], host=r[1] - r[2], leaf_low=r[3] < DEFAULT_PRIORITY) for r in rows}
+
+    async def prefix_matches_by_size(self, hashes: Mapping[int, bytes]) -> dict[int, dict[NodeId, PrefixMatch]]:
+        """The prompt's cached prefixes in each block size it was hashed in (one round trip).
+
+        Args:
+            hashes: block size → the prompt's hashes packed in blocks of that size (``prompt_hash_heads``).
+
+        Returns:
+            block size → node id → the node's contiguous cached prefix of the prompt so hashed
+            (every size of ``hashes`` is a key; a prompt shorter than a block finds nothing).
+        """
+        hashed = {b: h for b, h in hashes.items() if h}
+        out: dict[int, dict[NodeId, PrefixMatch]] = {b: {} for b in hashes}
+        if len(hashed) == 1:  # one size (a fleet of one block size): the query of every decision
+            (b, h), = hashed.items()
+            out[b] = await self.prefix_matches(h)
+        elif hashed:
+            rows = await self._hot_fetch(PREFIX_MATCHES_BY_SIZE, list(hashed), list(hashed.values()))
+            for r in rows:
+                out[r[0]][r[1]] = PrefixMatch(gpu=r[3], host=r[2] - r[3], leaf_low=r[4] < DEFAULT_PRIORITY)
+        return out
+
+    async def _hot_fetch(self, sql: str, *args: Any) -> list[asyncpg.Record]:
+        """A per-decision query on :class:`HotConnections`, as :meth:`_run` (no ``asyncpg.Pool``)."""
         self._check()
         outages = self._outages
         try:
-            rows = await self._hot.fetch(PREFIX_MATCHES, hashes)
+            rows = await self._hot.fetch(sql, *args)
         except DATABASE_ERRORS as exc:
             raise self._lost(exc) from exc
         if self.down_since is not None:
             self._back(outages)
-        return {r[0]: PrefixMatch(gpu=r[2], host=r[1] - r[2], leaf_low=r[3] < DEFAULT_PRIORITY) for r in rows}
+        return rows
 
     async def cache_by_priority(self, node_id: NodeId) -> list[dict[str, Any]]:
         """One node's cached blocks and tokens per (cache level, priority): GPU first, high priority first.

@@ -4,7 +4,14 @@ Dynamo's cost, extended (DESIGN.md, "Routing cost")::
 
     cost = overlap_weight × prefill_blocks + decode_blocks
 
-* ``prefill_blocks``: the prompt's full blocks minus the node's *contiguous* cached prefix, where a
+Both terms are in blocks of the decision's block size (the *unit*: the fleet's block size). A
+fleet may mix block sizes (bridged engines: vLLM's 16, kvflow's 32, …): each node is matched and
+credited at its own block size, and its blocks are converted to the unit (``× its size / unit``),
+so two nodes holding the same cached tokens get the same credit, and the same load in tokens
+weighs the same. In a fleet of one block size every factor is 1: the costs are the blocks as they are.
+
+* ``prefill_blocks``: the prompt's full blocks minus the node's *contiguous* cached prefix (a
+  mixed fleet: the most tokens any candidate's full blocks cover, in units, minus the prefix), where a
   GPU block counts 1 and a host-tier block ``host_credit`` (0.75: it must be copied back first);
   a prefix whose deepest block is below the default priority counts ``low_priority_credit`` of
   that (eviction takes leaves first: it is the next to erode, maybe before the request lands).
@@ -69,6 +76,8 @@ class NodeView:
     #: when the node took the heartbeat that ``active_blocks``/``active_requests`` come from
     #: (``NodeStats.ts``, epoch seconds; 0: unknown)
     stats_ts: float = 0.0
+    #: the node's tokens per block, which every block count of this view is in (0: the decision's)
+    block_size: int = 0
 
 
 @dataclass
@@ -85,10 +94,20 @@ class Candidate:
     cost: float = math.inf
     busy: bool = False
     reason: str = ""
+    #: the node's block size, which ``gpu_blocks``, ``host_blocks`` and ``prompt_blocks`` are in
+    #: (``cached_credit``, ``prefill_blocks``, ``decode_blocks`` and ``cost`` are in the decision's)
+    block_size: int = 0
+    #: the prompt's full blocks at the node's block size (what its in-flight count takes on)
+    prompt_blocks: int = 0
 
     @property
     def matched_blocks(self) -> int:
         return self.gpu_blocks + self.host_blocks
+
+    @property
+    def matched_tokens(self) -> int:
+        """The prompt's tokens cached on the node (host-tier blocks included)."""
+        return (self.gpu_blocks + self.host_blocks) * self.block_size
 
 
 @dataclass
@@ -235,24 +254,41 @@ def overlay(views: Sequence[NodeView], suspect_until: Mapping[NodeId, float], in
 
 
 def decide(total: int, nodes: Sequence[NodeView], matches: Mapping[NodeId, PrefixMatch], w: RoutingWeights,
-           rng: random.Random | None = None) -> Decision:
-    """Choose a node for a prompt of ``total`` full blocks, given each node's cached prefix of it."""
+           rng: random.Random | None = None, *, block_size: int = 0, tokens: int | None = None) -> Decision:
+    """Choose a node for a prompt of ``total`` full blocks, given each node's cached prefix of it.
+
+    Args:
+        total: the prompt's full blocks at ``block_size``.
+        nodes: every node's view; a view's ``block_size`` (0: ``block_size``) is the one its
+            blocks, its load and its match are in.
+        matches: each node's cached prefix of the prompt, computed at the node's own block size.
+        w: the weights.
+        rng: for ``w.temperature > 0``.
+        block_size: the decision's block size, the unit of every cost (0: unknown; then every
+            view must be of it).
+        tokens: the prompt's tokens; needed when a view's block size is not ``block_size``.
+
+    Raises:
+        ValueError: a view of another block size, and no ``tokens`` (or no ``block_size``).
+    """
+    sizes = {n.block_size or block_size for n in nodes if n.status in ("live", "resyncing") and not n.excluded}
+    mixed = bool(sizes - {block_size})
+    if mixed and (tokens is None or block_size <= 0):
+        raise ValueError("nodes of another block size than the decision's need the prompt's tokens and a block size")
+    # what is to prefill is measured from the same length for every node: the most tokens any
+    # candidate's full blocks cover (in units of the decision's block size)
+    ref: float = max(tokens // b * b for b in sizes | {block_size}) / block_size if mixed and tokens else total
     cands: list[Candidate] = []
     for n in nodes:
-        c = Candidate(n.node_id, n.url, n.status, eligible=n.status in ("live", "resyncing") and not n.excluded)
+        b = n.block_size or block_size
+        blocks = total if b == block_size else tokens // b if tokens is not None and b > 0 else 0
+        c = Candidate(n.node_id, n.url, n.status, eligible=n.status in ("live", "resyncing") and not n.excluded,
+                      block_size=b, prompt_blocks=blocks)
         if not c.eligible:  # a gone node is gone, whatever else it is
             c.reason = f"{n.status}: never chosen" if n.status == "gone" or not n.excluded else n.excluded
             cands.append(c)
             continue
-        if n.status == "live":
-            m = matches.get(n.node_id, NO_MATCH)
-            c.gpu_blocks, c.host_blocks, c.cached_credit = m.gpu, m.host, m.credit(w)
-        else:
-            c.reason = "resyncing: cached blocks not trusted"
-        c.prefill_blocks = total - c.cached_credit
-        c.decode_blocks = n.active_blocks + n.inflight_blocks + w.queued_weight_blocks * n.queued_requests
-        c.cost = w.overlap_weight * c.prefill_blocks + c.decode_blocks
-        c.busy = n.capacity_gpu > 0 and n.active_blocks + n.inflight_blocks > w.busy_fraction * n.capacity_gpu
+        _score(c, n, matches.get(n.node_id, NO_MATCH), ref, 1.0 if b == block_size else b / block_size, w)
         cands.append(c)
     eligible = [c for c in cands if c.eligible]
     if not eligible:
@@ -268,14 +304,34 @@ def decide(total: int, nodes: Sequence[NodeView], matches: Mapping[NodeId, Prefi
         best = pool[0].cost
         weights = [math.exp(-(c.cost - best) / w.temperature) for c in pool]
         chosen = r.choices(pool, weights=weights, k=1)[0]
-    chosen.reason = _explain(chosen, total, pool)
+    chosen.reason = _explain(chosen, pool, block_size if mixed else 0)
     return Decision(chosen, cands, total, chosen.reason)
 
 
-def _explain(c: Candidate, total: int, pool: list[Candidate]) -> str:
-    parts = [f"cost {c.cost:.2f} = {c.prefill_blocks:.2f} blocks to prefill + {c.decode_blocks:.0f} blocks of load"]
+def _score(c: Candidate, n: NodeView, m: PrefixMatch, ref: float, scale: float, w: RoutingWeights) -> None:
+    """An eligible candidate's cost: ``ref`` units to prefill less its credit, plus its load; ``scale``
+    converts the node's blocks to the decision's (1.0 when they are the same size)."""
+    if n.status == "live":
+        c.gpu_blocks, c.host_blocks, c.cached_credit = m.gpu, m.host, m.credit(w) * scale
+    else:
+        c.reason = "resyncing: cached blocks not trusted"
+    c.prefill_blocks = ref - c.cached_credit
+    c.decode_blocks = (n.active_blocks + n.inflight_blocks) * scale + w.queued_weight_blocks * n.queued_requests
+    c.cost = w.overlap_weight * c.prefill_blocks + c.decode_blocks
+    c.busy = n.capacity_gpu > 0 and n.active_blocks + n.inflight_blocks > w.busy_fraction * n.capacity_gpu
+
+
+def _explain(c: Candidate, pool: list[Candidate], unit: int = 0) -> str:
+    """Why ``c`` won; ``unit``: the decision's block size when the fleet mixes sizes (0: it does not)."""
+    if unit:
+        load = f"{c.decode_blocks:.0f}" if c.decode_blocks == int(c.decode_blocks) else f"{c.decode_blocks:.2f}"
+        parts = [f"cost {c.cost:.2f} = {c.prefill_blocks:.2f} blocks to prefill + {load} blocks of load"
+                 f" (blocks of {unit} tokens)"]
+    else:
+        parts = [f"cost {c.cost:.2f} = {c.prefill_blocks:.2f} blocks to prefill + {c.decode_blocks:.0f} blocks of load"]
     if c.matched_blocks:
-        parts.append(f"{c.matched_blocks}/{total} prompt blocks cached ({c.host_blocks} on host)")
+        of = f" of {c.block_size} tokens" if unit else ""
+        parts.append(f"{c.matched_blocks}/{c.prompt_blocks} prompt blocks{of} cached ({c.host_blocks} on host)")
     others = [o for o in pool if o is not c]
     if others:
         nxt = min(others, key=lambda o: o.cost)

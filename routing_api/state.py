@@ -35,7 +35,8 @@ FINISHED_KEEP_S = 5.0
 
 @dataclass
 class Inflight:
-    """The requests this router proxied to a node and has not seen finish, and their prompt blocks."""
+    """The requests this router proxied to a node and has not seen finish, and their prompt blocks
+    (in the node's block size, as its heartbeat's ``active_blocks``)."""
 
     requests: int = 0
     blocks: int = 0
@@ -60,7 +61,8 @@ class Metrics:
                                 "(the last known fleet, by load alone)", registry=r)
 
     def record_decision(self, decision: Decision, prompt_blocks: int, elapsed_s: float) -> None:
-        """Count one decision: its time, the prompt's blocks, and the choice with its cached blocks."""
+        """Count one decision: its time, the prompt's blocks, and the choice with its cached blocks
+        (both in the chosen node's block size)."""
         self.decision_seconds.observe(elapsed_s)
         self.prompt_blocks.inc(prompt_blocks)
         if decision.chosen is not None:
@@ -70,6 +72,9 @@ class Metrics:
 
 class FleetCache:
     """The :class:`FleetView` of each model for the latest read of the ``nodes`` table.
+
+    ``block_size``: ``KVFLOW_ROUTER_BLOCK_SIZE`` (only nodes of that size are candidates), or None
+    (every size, the costs in the fleet's).
 
     ``StateReader.nodes`` returns the same list until it reads the table again, so a new list
     object means a new read: the views derived from the old one are dropped. The list is held
@@ -159,6 +164,10 @@ class RouterState:
 
     def start_proxy(self, node: NodeId, blocks: int) -> Callable[..., None]:
         """Count a request proxied to ``node`` with ``blocks`` prompt blocks as in flight.
+
+        ``blocks`` are in the node's block size (``Candidate.prompt_blocks``), as its heartbeat
+        counts its load and as :func:`routing_api.scoring.decide` converts it; so is the
+        ``Finished`` record the request leaves.
 
         Returns:
             ``done(outcome, ran=True)``, to call once when the request has finished: ``"ok"``,

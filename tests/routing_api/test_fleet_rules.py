@@ -1,4 +1,5 @@
-"""Which nodes may serve a request: model, block size, and a known address, from the nodes table.
+"""Which nodes may serve a request: model, block size, and a known address, from the nodes table;
+a fleet of two block sizes, each node matched at its own.
 
 The rows are written directly (as the materializer would), so each rule is checked in isolation.
 """
@@ -52,19 +53,33 @@ def fill(url: str) -> None:
     asyncio.run(run())
 
 
-def test_model_block_size_and_address_decide_who_may_serve(migrated_database_url, reader_url):
+def test_model_and_address_decide_who_may_serve_and_every_block_size_is_matched_at_its_own(
+        migrated_database_url, reader_url):
     fill(migrated_database_url)
     with TestClient(create_app(RouterSettings(nodes_cache_s=0.0), database_url=reader_url)) as c:
         llama = c.post("/v1/route", json={"token_ids": TOKENS, "model": "llama"}).json()
-        assert llama["node_id"] == "llama-b" and llama["matched_blocks"] == 3 and llama["block_size"] == 32
         why = {x["node_id"]: (x["eligible"], x["reason"]) for x in llama["candidates"]}
         assert why["qwen-a"] == (False, "serves qwen, not llama")
-        assert why["llama-16"] == (False, "block size 16; this fleet's prompts are hashed in blocks of 32")
         assert why["llama-nourl"] == (False, "unreachable: never chosen")
+        # llama-16 holds the whole prompt in blocks of 16 (128 tokens), llama-b 3 blocks of 32 (96)
+        assert llama["node_id"] == "llama-16", llama["reason"]
+        assert {k: llama[k] for k in ("matched_blocks", "matched_tokens", "prompt_blocks", "block_size",
+                                      "cost_block_size")} == {
+            "matched_blocks": 8, "matched_tokens": 128, "prompt_blocks": 8, "block_size": 16, "cost_block_size": 32}
+        cands = {x["node_id"]: x for x in llama["candidates"]}
+        assert [(cands[n]["block_size"], cands[n]["matched_blocks"], cands[n]["matched_tokens"],
+                 cands[n]["prompt_blocks"], cands[n]["cached_credit"], cands[n]["cost"])
+                for n in ("llama-16", "llama-b", "llama-a")] == [
+            (16, 8, 128, 8, 4.0, 0.0), (32, 3, 96, 4, 3.0, 1.0), (32, 1, 32, 4, 1.0, 3.0)]
+        assert llama["reason"] == ("cost 0.00 = 0.00 blocks to prefill + 0 blocks of load (blocks of 32 tokens); "
+                                   "8/8 prompt blocks of 16 tokens cached (0 on host); next best llama-b at 1.00")
 
         assert c.post("/v1/route", json={"token_ids": TOKENS, "model": "qwen"}).json()["node_id"] == "qwen-a"
-        # Without a model every node is a candidate; qwen-a holds the longest prefix.
-        assert c.post("/v1/route", json={"token_ids": TOKENS}).json()["node_id"] == "qwen-a"
+        # Without a model every node is a candidate: qwen-a (4 blocks of 32) and llama-16 (8 of 16)
+        # hold the same 128 tokens, at the same cost; the node id breaks the tie.
+        anyone = c.post("/v1/route", json={"token_ids": TOKENS}).json()
+        costs = {x["node_id"]: x["cost"] for x in anyone["candidates"]}
+        assert costs["qwen-a"] == costs["llama-16"] == 0.0 and anyone["node_id"] == "llama-16"
 
         missing = c.post("/v1/route", json={"token_ids": TOKENS, "model": "gpt-5"})
         assert missing.status_code == 404
@@ -77,6 +92,15 @@ def test_a_block_size_override_makes_the_other_sizes_ineligible(migrated_databas
     with TestClient(create_app(RouterSettings(nodes_cache_s=0.0, block_size=16), database_url=reader_url)) as c:
         r = c.post("/v1/route", json={"token_ids": TOKENS, "model": "llama"}).json()
         assert r["node_id"] == "llama-16" and r["matched_blocks"] == 8 and r["prompt_blocks"] == 8
+        why = {x["node_id"]: (x["eligible"], x["reason"]) for x in r["candidates"]}
+        assert why["llama-b"] == (False, "block size 32; this fleet's prompts are hashed in blocks of 16")
+    with TestClient(create_app(RouterSettings(nodes_cache_s=0.0, block_size=32), database_url=reader_url)) as c:
+        r = c.post("/v1/route", json={"token_ids": TOKENS, "model": "llama"}).json()
+        assert r["node_id"] == "llama-b" and r["matched_blocks"] == 3 and r["block_size"] == 32
+        why = {x["node_id"]: (x["eligible"], x["reason"]) for x in r["candidates"]}
+        assert why["llama-16"] == (False, "block size 16; this fleet's prompts are hashed in blocks of 32")
+        assert r["reason"] == "cost 1.00 = 1.00 blocks to prefill + 0 blocks of load; 3/4 prompt blocks cached " \
+                              "(0 on host); next best llama-a at 3.00"
 
 
 def test_token_ids_outside_u32_are_refused_before_hashing(migrated_database_url, reader_url):

@@ -10,6 +10,8 @@ from datetime import UTC, datetime, timedelta
 import asyncpg
 import pytest
 
+from eventbus.hashing import prompt_block_hashes, prompt_hash_heads
+from eventbus.protocol import to_sql
 from routing_api.queries import StateReader
 from routing_api.scoring import prefix_match
 from state_store.config import plain_dsn
@@ -71,6 +73,41 @@ def test_sql_prefix_matches_equal_the_python_reference(migrated_database_url, re
     assert any(m.host for ms in got for m in ms.values())
     assert any(m.leaf_low for ms in got for m in ms.values())
     assert asyncio.run(StateReader(reader_url).prefix_matches([])) == {}
+
+
+def test_one_round_trip_matches_the_prompt_in_every_block_size_as_one_query_per_size(migrated_database_url,
+                                                                                   reader_url):
+    """``prefix_matches_by_size`` (one query for several sizes) finds what ``prefix_matches`` finds
+    in each size alone; a size in which the prompt has no full block finds nothing, without a query."""
+    rng = random.Random(4)
+    tokens = [rng.randrange(50_000) for _ in range(300)]
+    at = {b: prompt_block_hashes(tokens, b) for b in (8, 16, 32)}
+    caches = {f"n{b}-{i}": node_cache([to_sql(h) for h in at[b]], rng, []) for b in at for i in range(3)}
+    now = datetime.now(tz=UTC)
+    records = [(n, h, lvl, prio, 16, now, now) for n, held in caches.items() for h, (lvl, prio) in held.items()]
+
+    async def query() -> tuple:
+        reader = StateReader(reader_url)
+        try:
+            packed = {b: prompt_hash_heads(tokens, b) for b in at}
+            both = await reader.prefix_matches_by_size(packed)
+            alone = {b: await reader.prefix_matches(h) for b, h in packed.items()}
+            one = await reader.prefix_matches_by_size({16: packed[16]})
+            short = await reader.prefix_matches_by_size({16: prompt_hash_heads(tokens[:20], 16),
+                                                         512: prompt_hash_heads(tokens[:20], 512)})
+            return both, alone, one, short
+        finally:
+            await reader.close()
+
+    asyncio.run(execute(migrated_database_url,
+                        lambda c: c.copy_records_to_table("node_blocks", columns=BLOCK_COLUMNS, records=records)))
+    both, alone, one, short = asyncio.run(query())
+    assert both == alone and one == {16: alone[16]}
+    for b in at:
+        expected = {n: m for n, c in caches.items() if (m := prefix_match([to_sql(h) for h in at[b]], c)).gpu + m.host}
+        assert both[b] == expected and all(n.startswith(f"n{b}-") for n in both[b])
+    assert sum(map(len, both.values())) >= 6
+    assert set(short) == {16, 512} and short[512] == {}
 
 
 def test_sql_prefix_matches_refuses_a_partial_hash(reader_url):

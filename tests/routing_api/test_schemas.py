@@ -14,25 +14,49 @@ from routing_api.scoring import Candidate, Decision, NodeView, PrefixMatch, Rout
 
 def test_a_decision_is_formatted_with_its_choice_and_every_candidate():
     views = [NodeView("a", "http://a", "live", 1000, active_blocks=2), NodeView("b", "http://b", "stale", 1000)]
-    d = decide(3, views, {"a": PrefixMatch(gpu=1, host=1)}, RoutingWeights())
+    d = decide(3, views, {"a": PrefixMatch(gpu=1, host=1)}, RoutingWeights(), block_size=32, tokens=100)
     body = decision_body(d, prompt_tokens=100, prompt_blocks=3, block_size=32, elapsed_s=0.0012345)
     reason = "cost 3.25 = 1.25 blocks to prefill + 2 blocks of load; 2/3 prompt blocks cached (1 on host)"
     assert body == {
         "node_id": "a", "url": "http://a", "matched_blocks": 2, "matched_tokens": 64,
-        "prompt_tokens": 100, "prompt_blocks": 3, "block_size": 32, "reason": reason, "decision_ms": 1.234,
-        "degraded": False, "gone_nodes": 0, "candidates": [
+        "prompt_tokens": 100, "prompt_blocks": 3, "block_size": 32, "cost_block_size": 32, "reason": reason,
+        "decision_ms": 1.234, "degraded": False, "gone_nodes": 0, "candidates": [
             {"node_id": "a", "status": "live", "eligible": True, "matched_blocks": 2, "gpu_blocks": 1,
-             "host_blocks": 1, "cached_credit": 1.75, "prefill_blocks": 1.25, "decode_blocks": 2.0,
-             "cost": 3.25, "busy": False, "reason": reason},
+             "host_blocks": 1, "block_size": 32, "prompt_blocks": 3, "matched_tokens": 64, "cached_credit": 1.75,
+             "prefill_blocks": 1.25, "decode_blocks": 2.0, "cost": 3.25, "busy": False, "reason": reason},
             {"node_id": "b", "status": "stale", "eligible": False, "matched_blocks": 0, "gpu_blocks": 0,
-             "host_blocks": 0, "cached_credit": 0.0, "prefill_blocks": 0.0, "decode_blocks": 0.0,
-             "cost": None, "busy": False, "reason": "stale: never chosen"}]}
+             "host_blocks": 0, "block_size": 32, "prompt_blocks": 3, "matched_tokens": 0, "cached_credit": 0.0,
+             "prefill_blocks": 0.0, "decode_blocks": 0.0, "cost": None, "busy": False,
+             "reason": "stale: never chosen"}]}
     assert list(body) == ["node_id", "url", "matched_blocks", "matched_tokens", "prompt_tokens", "prompt_blocks",
-                          "block_size", "reason", "decision_ms", "degraded", "candidates",
+                          "block_size", "cost_block_size", "reason", "decision_ms", "degraded", "candidates",
                           "gone_nodes"]  # the order clients see
+    assert list(body["candidates"][0]) == [
+        "node_id", "status", "eligible", "matched_blocks", "gpu_blocks", "host_blocks", "block_size", "prompt_blocks",
+        "matched_tokens", "cached_credit", "prefill_blocks", "decode_blocks", "cost", "busy", "reason"]
     flagged = decision_body(d, prompt_tokens=100, prompt_blocks=3, block_size=32, elapsed_s=0.0, degraded=True,
                             gone_nodes=11)
     assert (flagged["degraded"], flagged["gone_nodes"]) == (True, 11)
+
+
+def test_in_a_fleet_of_two_block_sizes_the_top_level_blocks_are_the_chosen_nodes():
+    """``block_size``, ``prompt_blocks``, ``matched_*`` describe the choice, in its own block size;
+    each candidate has its own; the costs are all in ``cost_block_size``."""
+    views = [NodeView("v16", "http://v", "live", 1000, block_size=16), NodeView("k32", "http://k", "live", 1000,
+                                                                                   block_size=32)]
+    matches = {"v16": PrefixMatch(gpu=3), "k32": PrefixMatch(gpu=1)}
+    d = decide(3, views, matches, RoutingWeights(), block_size=32, tokens=100)  # 6 blocks of 16, 3 of 32
+    body = decision_body(d, prompt_tokens=100, prompt_blocks=3, block_size=32, elapsed_s=0.0)
+    assert {k: body[k] for k in ("node_id", "matched_blocks", "matched_tokens", "prompt_blocks", "block_size",
+                                 "cost_block_size")} == {
+        "node_id": "v16", "matched_blocks": 3, "matched_tokens": 48, "prompt_blocks": 6, "block_size": 16,
+        "cost_block_size": 32}
+    cands = {c["node_id"]: c for c in body["candidates"]}
+    assert {k: cands["k32"][k] for k in ("block_size", "prompt_blocks", "matched_blocks", "matched_tokens",
+                                         "cached_credit", "prefill_blocks", "cost")} == {
+        "block_size": 32, "prompt_blocks": 3, "matched_blocks": 1, "matched_tokens": 32, "cached_credit": 1.0,
+        "prefill_blocks": 2.0, "cost": 2.0}
+    assert (cands["v16"]["cached_credit"], cands["v16"]["cost"]) == (1.5, 1.5)  # 48 tokens: 1.5 blocks of 32
 
 
 def test_no_choice_is_formatted_with_nulls_and_zeros():
@@ -41,8 +65,8 @@ def test_no_choice_is_formatted_with_nulls_and_zeros():
     body = decision_body(d, prompt_tokens=130, prompt_blocks=4, block_size=32, elapsed_s=0.5)
     assert {k: v for k, v in body.items() if k != "candidates"} == {
         "node_id": None, "url": None, "matched_blocks": 0, "matched_tokens": 0, "prompt_tokens": 130,
-        "prompt_blocks": 4, "block_size": 32, "reason": "no live node", "decision_ms": 500.0, "degraded": False,
-        "gone_nodes": 0}
+        "prompt_blocks": 4, "block_size": 32, "cost_block_size": 32, "reason": "no live node", "decision_ms": 500.0,
+        "degraded": False, "gone_nodes": 0}
     assert body["candidates"] == [candidate_json(d.candidates[0])]
     thirds = candidate_json(Candidate("x", "", "live", True, cached_credit=2 / 3, prefill_blocks=7 / 3,
                                       decode_blocks=1 / 7, cost=1 / 3))

@@ -6,6 +6,8 @@ import dataclasses
 import random
 from collections import Counter
 
+import pytest
+
 from eventbus.hashing import prompt_block_hashes
 from eventbus.protocol import DEFAULT_PRIORITY
 from routing_api.config import RouterSettings
@@ -232,3 +234,112 @@ def test_a_gone_node_says_so_whatever_else_excludes_it():
     assert why["a"] == "gone: never chosen"
     assert why["b"] == "block size 16; this fleet's prompts are hashed in blocks of 32"
     assert why["c"] == "stale: never chosen" and d.chosen.node_id == "d"
+
+
+# ------------------------------------------------------------------- a fleet of several block sizes
+
+TOKENS = list(range(500, 628))  # 128 tokens: 8 blocks of 16, 4 of 32
+AT = {b: prompt_block_hashes(TOKENS, b) for b in (16, 32)}  # the prompt hashed as each node hashes it
+
+
+def decide_mixed(nodes, held, w=W, unit=32, tokens=TOKENS, rng=None):
+    """decide() as the router calls it: each node matched at its own block size (``held``: node → the
+    number of the prompt's blocks it holds on the GPU, at its size), costs in blocks of ``unit``."""
+    sizes = {n.node_id: n.block_size for n in nodes}
+    matches = {n: prefix_match(prompt_block_hashes(tokens, sizes[n]), gpu(*prompt_block_hashes(tokens, sizes[n])[:k]))
+               for n, k in held.items()}
+    return decide_matches(len(tokens) // unit, nodes, matches, w, rng, block_size=unit, tokens=len(tokens))
+
+
+def test_equal_cached_tokens_earn_equal_credit_whatever_the_block_size():
+    nodes = [node("v16", block_size=16), node("k32", block_size=32)]
+    d = decide_mixed(nodes, {"v16": 4, "k32": 2})  # 64 tokens each
+    c = {x.node_id: x for x in d.candidates}
+    assert (c["v16"].cached_credit, c["v16"].prefill_blocks, c["v16"].cost) == (2.0, 2.0, 2.0)
+    assert (c["k32"].cached_credit, c["k32"].prefill_blocks, c["k32"].cost) == (2.0, 2.0, 2.0)
+    assert (c["v16"].matched_blocks, c["v16"].matched_tokens, c["v16"].prompt_blocks) == (4, 64, 8)
+    assert (c["k32"].matched_blocks, c["k32"].matched_tokens, c["k32"].prompt_blocks) == (2, 64, 4)
+    assert d.chosen.node_id == "k32"  # a tie in everything: the node id decides, as in any fleet
+    # on the host and below the default priority alike: 0.75 and 0.9 of the same tokens
+    host = {"v16": PrefixMatch(gpu=2, host=2, leaf_low=True), "k32": PrefixMatch(gpu=1, host=1, leaf_low=True)}
+    d = decide_matches(4, nodes, host, W, block_size=32, tokens=128)
+    assert len({x.cached_credit for x in d.candidates}) == 1 and len({x.cost for x in d.candidates}) == 1
+
+
+def test_a_16_token_node_holding_48_tokens_beats_a_32_token_node_holding_32_at_equal_load():
+    nodes = [node("k32", block_size=32, active_blocks=4), node("v16", block_size=16, active_blocks=8)]
+    d = decide_mixed(nodes, {"v16": 3, "k32": 1})
+    c = {x.node_id: x for x in d.candidates}
+    assert d.chosen.node_id == "v16"
+    assert (c["v16"].cached_credit, c["k32"].cached_credit) == (1.5, 1.0)  # in blocks of 32 tokens
+    assert c["v16"].decode_blocks == c["k32"].decode_blocks == 4.0  # 128 tokens of load each
+    assert (c["v16"].cost, c["k32"].cost) == (6.5, 7.0)
+    assert d.reason == ("cost 6.50 = 2.50 blocks to prefill + 4 blocks of load (blocks of 32 tokens); "
+                        "3/8 prompt blocks of 16 tokens cached (0 on host); next best k32 at 7.00")
+    # the unit is only a unit: in blocks of 16 every cost doubles, and the choice stays
+    d16 = decide_mixed(nodes, {"v16": 3, "k32": 1}, unit=16)
+    assert d16.chosen.node_id == "v16"
+    assert {x.node_id: x.cost for x in d16.candidates} == {"v16": 13.0, "k32": 14.0}
+
+
+def test_what_is_to_prefill_is_measured_from_the_same_length_for_every_node():
+    """A 48-token prompt: 3 full blocks of 16, 1 of 32. The node of 16 holding all 3 has nothing left
+    to prefill; the node of 32 holding its 1 block still has the 16 tokens it cannot hold as a block."""
+    nodes = [node("v16", block_size=16), node("k32", block_size=32)]
+    d = decide_mixed(nodes, {"v16": 3, "k32": 1}, tokens=TOKENS[:48])
+    c = {x.node_id: x for x in d.candidates}
+    assert (c["v16"].prefill_blocks, c["k32"].prefill_blocks) == (0.0, 0.5) and d.chosen.node_id == "v16"
+    assert (c["v16"].prompt_blocks, c["k32"].prompt_blocks) == (3, 1)
+
+
+def test_load_in_flight_and_finished_is_counted_in_each_nodes_own_blocks():
+    """The router's in-flight counts and finished requests are in the node's blocks (as its
+    heartbeat's): 8 blocks of 16 in flight weigh as 4 of 32."""
+    views = [node("v16", block_size=16, stats_ts=10.0, active_blocks=8, active_requests=1),
+             node("k32", block_size=32, stats_ts=10.0)]
+    inflight = {"k32": Inflight(1, 4)}
+    finished = {"v16": [Finished(9.5, 10.5, 8)]}  # its 8 blocks (of 16) ended after the heartbeat
+    d = decide_mixed(overlay(views, {}, inflight, 0.0, finished), {})
+    c = {x.node_id: x for x in d.candidates}
+    assert (c["v16"].decode_blocks, c["k32"].decode_blocks) == (0.0, 4.0) and d.chosen.node_id == "v16"
+    d = decide_mixed(overlay(views, {}, {"v16": Inflight(1, 8), **inflight}, 0.0), {})
+    assert {x.node_id: x.decode_blocks for x in d.candidates} == {"v16": 8.0, "k32": 4.0}  # 8 + 8 of 16 = 8 of 32
+
+
+def test_busy_is_measured_in_the_nodes_own_blocks():
+    nodes = [node("v16", block_size=16, capacity_gpu=100, active_blocks=96), node("k32", block_size=32,
+                                                                                  capacity_gpu=100, active_blocks=60)]
+    d = decide_mixed(nodes, {"v16": 8})
+    c = {x.node_id: x for x in d.candidates}
+    assert c["v16"].busy and not c["k32"].busy and d.chosen.node_id == "k32"
+
+
+def test_one_block_size_decides_exactly_as_before():
+    """A fleet of one block size: the same costs, choices and reasons, whether the views carry the
+    size (as the router's do now) or not (as before, and as the simulator's)."""
+    rng = random.Random(5)
+    for _ in range(300):
+        n = rng.randint(1, 5)
+        views = [node(f"n{i}", rng.choice(["live", "live", "resyncing", "stale"]), capacity_gpu=rng.choice([0, 50]),
+                      active_blocks=rng.randrange(60), queued_requests=rng.randrange(3),
+                      inflight_blocks=rng.randrange(9)) for i in range(n)]
+        matches = {v.node_id: PrefixMatch(rng.randrange(5), rng.randrange(3), rng.random() < 0.3) for v in views}
+        w = RoutingWeights(queued_weight_blocks=rng.choice([8.0, 2.5]), temperature=rng.choice([0.0, 0.0, 1.0]))
+        seed = rng.random()
+        before = decide_matches(6, views, matches, w, random.Random(seed))
+        sized = [dataclasses.replace(v, block_size=32) for v in views]
+        now = decide_matches(6, sized, matches, w, random.Random(seed), block_size=32, tokens=6 * 32 + 31)
+        assert [(c.node_id, c.cost, c.cached_credit, c.prefill_blocks, c.decode_blocks, c.busy, c.reason)
+                for c in before.candidates] == [
+            (c.node_id, c.cost, c.cached_credit, c.prefill_blocks, c.decode_blocks, c.busy, c.reason)
+            for c in now.candidates]
+        assert (before.chosen and before.chosen.node_id, before.reason) == (now.chosen and now.chosen.node_id,
+                                                                            now.reason)
+
+
+def test_a_node_of_another_size_needs_the_prompts_tokens():
+    with pytest.raises(ValueError, match="need the prompt's tokens"):
+        decide_matches(4, [node("a", block_size=16), node("b", block_size=32)], {}, W, block_size=32)
+    # excluded or never chosen, it is no candidate: no conversion needed
+    d = decide_matches(4, [node("a", block_size=16, excluded="x"), node("b", block_size=32)], {}, W, block_size=32)
+    assert d.chosen.node_id == "b"

@@ -11,7 +11,7 @@ from fastapi import HTTPException
 from routing_api.config import RouterSettings, parse_api_keys
 from routing_api.deps import authorize
 from routing_api.fleet import FleetView, fleet_block_size, fleet_view
-from routing_api.scoring import Candidate, Decision, Finished, NodeView, RoutingWeights
+from routing_api.scoring import Candidate, Decision, Finished, NodeView, PrefixMatch, RoutingWeights
 from routing_api.state import FINISHED_KEEP_S, FleetCache, Metrics, RouterState
 
 KEYS = parse_api_keys("full:acme,reader::read")
@@ -39,18 +39,47 @@ def test_authorize_answers_401_or_403_exactly_as_the_endpoints_do():
         403, "this API key lacks the 'route' scope", None)
 
 
-def test_the_fleet_view_excludes_other_models_other_block_sizes_and_unknown_addresses():
+def test_the_fleet_view_excludes_other_models_and_unknown_addresses_and_views_each_node_in_its_block_size():
     rows = [row("a"), row("b", model="qwen"), row("c", block_size=16), row("d", url=None), row("e", model=None)]
     fv = fleet_view(rows, "llama")
     assert fv.block_size == 32
-    assert fv.views[0] == NodeView("a", "http://n", "live", 100, 1, 2, 3, excluded="")
-    assert [(v.node_id, v.status, v.excluded) for v in fv.views[1:]] == [
-        ("b", "live", "serves qwen, not llama"),
-        ("c", "live", "block size 16; this fleet's prompts are hashed in blocks of 32"),
-        ("d", "unreachable", ""), ("e", "live", "serves an unknown model, not llama")]
+    assert fv.views[0] == NodeView("a", "http://n", "live", 100, 1, 2, 3, excluded="", block_size=32)
+    assert [(v.node_id, v.status, v.excluded, v.block_size) for v in fv.views[1:]] == [
+        ("b", "live", "serves qwen, not llama", 32), ("c", "live", "", 16),
+        ("d", "unreachable", "", 32), ("e", "live", "serves an unknown model, not llama", 32)]
     assert fv.views[3].url == ""
-    assert fleet_view(rows, None, block_size=16).views[0].excluded == (
-        "block size 32; this fleet's prompts are hashed in blocks of 16")
+    # the live candidates, by (model, block size): hashed once per size
+    assert fv.groups == {("llama", 32): ("a",), ("llama", 16): ("c",)} and fv.sizes == (16, 32)
+
+
+def test_a_block_size_override_excludes_the_other_sizes_as_before():
+    rows = [row("a"), row("b", model="qwen"), row("c", block_size=16), row("d", block_size=None)]
+    fv = fleet_view(rows, None, block_size=16)
+    assert [(v.node_id, v.excluded) for v in fv.views] == [
+        ("a", "block size 32; this fleet's prompts are hashed in blocks of 16"),
+        ("b", "block size 32; this fleet's prompts are hashed in blocks of 16"), ("c", ""), ("d", "")]
+    assert fv.block_size == 16 and fv.sizes == (16,) and fv.groups == {("llama", 16): ("c", "d")}
+    assert fleet_view(rows, "llama", block_size=32).groups == {("llama", 32): ("a", "d")}  # no size: the decision's
+
+
+def test_without_a_model_nodes_of_one_size_share_its_hashes_whatever_they_serve():
+    rows = [row("a"), row("b", model="qwen"), row("c", model="qwen", block_size=16), row("s", status="stale"),
+            row("r", status="resyncing", block_size=64)]
+    fv = fleet_view(rows, None)
+    assert fv.groups == {("llama", 32): ("a",), ("qwen", 32): ("b",), ("qwen", 16): ("c",)}
+    assert fv.sizes == (16, 32)  # neither the stale node's nor the resyncing one's (no credit): no 64
+    assert [v.block_size for v in fv.views] == [32, 32, 16, 32, 64]
+
+
+def test_each_node_is_credited_only_with_the_matches_at_its_own_block_size():
+    fv = fleet_view([row("a"), row("b"), row("c", block_size=16)], None)
+    found = {32: {"a": PrefixMatch(gpu=2), "c": PrefixMatch(gpu=9)}, 16: {"c": PrefixMatch(gpu=4),
+                                                                           "b": PrefixMatch(gpu=9)}}
+    assert fv.own_size_matches(found) == {"a": PrefixMatch(gpu=2), "c": PrefixMatch(gpu=4)}
+    one = fleet_view([row("a"), row("b")], None)
+    at32 = {"a": PrefixMatch(gpu=2)}
+    assert one.own_size_matches({32: at32}) is at32  # one size: the query's answer as it is
+    assert one.own_size_matches({}) == {}
 
 
 def test_the_block_size_is_the_live_majoritys_then_anyones_then_32():
