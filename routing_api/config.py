@@ -34,7 +34,8 @@ class RouterSettings(BaseSettings):
     node_api_key: SecretStr | None = Field(default=None, description="Bearer key the router presents to nodes.",
                                            validation_alias="KVFLOW_NODE_API_KEY")
     tokenizer_dir: str | None = Field(default=None, description="Folder with the nodes' tokenizer.json.")
-    block_size: int | None = Field(default=None, ge=1, description="Override the block size nodes report.")
+    block_size: int | None = Field(default=None, ge=1, description=(
+        "Hash at this block size only (nodes of other sizes excluded); default: each node at its own."))
     overlap_weight: float = Field(default=W.overlap_weight, ge=0, description="Weight of blocks still to prefill.")
     host_credit: float = Field(default=W.host_credit, ge=0, le=1, description="Credit of a host-tier block.")
     low_priority_credit: float = Field(default=W.low_priority_credit, ge=0, le=1,

@@ -53,7 +53,7 @@ async def forward(state: RouterState, routed: Routed, path: str, content: bytes,
         return error_response(503, "no live node to route to", "unavailable")
     refused: list[tuple[str, httpx.HTTPError]] = []
     for cand in ranked:
-        done = state.start_proxy(cand.node_id, routed.prompt_blocks)
+        done = state.start_proxy(cand.node_id, cand.prompt_blocks)  # in the node's own blocks
         request = state.client.build_request("POST", f"{cand.url.rstrip('/')}{path}", content=content,
                                            headers={"content-type": "application/json"})
         try:
@@ -83,7 +83,7 @@ async def _answer(upstream: httpx.Response, cand: Candidate, routed: Routed, don
                   stream: bool) -> Response:
     """The node's response to the client: streamed (a 200 with ``stream``), else read whole."""
     node = cand.node_id
-    headers = {"x-kvflow-node": node, "x-kvflow-matched-tokens": str(cand.matched_blocks * routed.block_size)}
+    headers = {"x-kvflow-node": node, "x-kvflow-matched-tokens": str(cand.matched_tokens)}
     if stream and upstream.status_code == 200:
         return StreamingResponse(_relay(upstream, node, done), media_type="text/event-stream", headers=headers)
     try:
