@@ -7,7 +7,7 @@ STAMP := $(VENV)/.kvflow-installed
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo test test-unit lint up down status bench sim clean browser compose-check
+.PHONY: help install engines demo test test-unit lint up down status bench sim clean browser compose-check
 
 help: ## List the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "} {printf "  \033[36m%-10s\033[0m %s\n", $$1, $$2}'
@@ -45,13 +45,30 @@ endif
 
 install: $(STAMP) ## Create .venv and install kvflow with its test extras
 
+# Real engines for the bridge's tests (tests/bridge/engines.py): vLLM's and SGLang's KV event code,
+# run on the CPU. Installed --no-deps (their own requirements pin another torch and CUDA kernels),
+# then what that code imports, constrained to every version already in the venv: nothing of
+# kvflow's (torch included) can change; an install that would need it to fails instead.
+ENGINES := $(VENV)/.kvflow-engines
+ENGINE_REQS := deploy/engines/requirements.txt deploy/engines/requirements-nodeps.txt
+
+$(ENGINES): $(STAMP) $(ENGINE_REQS)
+	@names=$$(sed -E 's/#.*//; s/[<>=!~;[ ].*//' $(ENGINE_REQS) | grep -v '^$$' | sed -E 's/[-_.]+/[-_.]/g' | paste -sd'|'); \
+	  $(BIN)/python -m pip freeze --exclude-editable | grep -v ' @ ' | grep -viE "^($$names)==" > $(VENV)/.kvflow-engines-constraints.txt
+	$(BIN)/python -m pip install --quiet -c $(VENV)/.kvflow-engines-constraints.txt -r deploy/engines/requirements.txt
+	$(BIN)/python -m pip install --quiet --no-deps --no-compile -r deploy/engines/requirements-nodeps.txt
+	$(BIN)/python -m tests.bridge.engines --check
+	@touch $@
+
+engines: $(ENGINES) ## vLLM's and SGLang's KV event code (real, CPU-only) for the bridge's tests
+
 demo: $(STAMP) ## The main job: stack, materializer, router, two nodes, a workload, a summary
 	$(BIN)/kvflow demo
 
-test: $(STAMP) browser $(COMPOSE_CHECK) ## The whole suite (unit + integration) against a real local stack, then stop it
+test: $(STAMP) $(ENGINES) browser $(COMPOSE_CHECK) ## The whole suite (unit + integration) against a real local stack, then stop it
 	@was_up=0; $(BIN)/kvflow stack status --check >/dev/null 2>&1 && was_up=1; \
 	$(BIN)/kvflow stack up && $(BIN)/kvflow db upgrade \
-	  && KVFLOW_REQUIRE_SERVICES=1 KVFLOW_REQUIRE_NATIVE=$(if $(CARGO),1,0) $(BIN)/pytest $(PYTEST_ARGS); \
+	  && KVFLOW_REQUIRE_SERVICES=1 KVFLOW_REQUIRE_ENGINES=1 KVFLOW_REQUIRE_NATIVE=$(if $(CARGO),1,0) $(BIN)/pytest $(PYTEST_ARGS); \
 	status=$$?; \
 	if [ $$was_up -eq 0 ]; then $(BIN)/kvflow stack down || status=1; fi; \
 	exit $$status
@@ -62,8 +79,8 @@ browser: ## Debian's chromium, for the dashboard's browser test (installed once,
 	    || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; }; \
 	  else echo "chromium is missing: sudo apt-get install chromium"; exit 1; fi; }
 
-test-unit: $(STAMP) ## Only the tests that need no services
-	$(BIN)/pytest -m "unit" $(PYTEST_ARGS)
+test-unit: $(STAMP) $(ENGINES) ## Only the tests that need no services
+	KVFLOW_REQUIRE_ENGINES=1 $(BIN)/pytest -m "unit" $(PYTEST_ARGS)
 
 lint: $(STAMP) ## ruff and mypy
 	$(BIN)/ruff check .
