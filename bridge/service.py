@@ -8,9 +8,11 @@ the router work unchanged for vLLM, SGLang and TensorRT-LLM.
 
 **Sequence numbers** (vLLM, SGLang: one per batch, from 0 at each publisher start):
 
-* the first batch seen, seq S > 0 (the bridge attached late): the replay socket is asked from 0;
-  if it still holds every batch from 0, the history is whole and the view **exact**; otherwise
-  the batches it has are applied and the view is **partial** (a subset of the engine's blocks);
+* at start, and at the first batch seen if that is seq S > 0 (the bridge attached late): the
+  replay socket is asked from 0; if it still holds every batch from 0, the history is whole and
+  the view **exact**; otherwise the batches it has are applied and the view is **partial** (a
+  subset of the engine's blocks); a live batch that the replay gave already (same seq and time)
+  is dropped;
 * a skipped seq: fetched from the replay socket (duplicates dropped by seq); if it cannot be
   filled, a removal may have been missed, so the instance is dropped and a **new instance**
   starts (new ``instance_id``, ``created``): partial, never wrong;
@@ -50,6 +52,9 @@ from eventbus.protocol import InstanceId, NodeCounters, NodeId, NodeStats
 from inference_node.publisher import ControlListener, Publisher, Sink
 
 log = logging.getLogger("kvflow.bridge")
+
+#: How many applied batches are remembered (seq → ts) to drop live duplicates of replayed ones.
+SEEN_BATCHES = 4096
 
 
 class BridgeSettings(BaseSettings):
@@ -124,6 +129,8 @@ class Bridge:
         self.translator: Translator | None = None
         self.publisher: Publisher | None = None
         self._reset_asked = False
+        #: seq → ts of the batches applied lately: a live batch also replayed is dropped, not a restart
+        self._seen: dict[int, float] = {}
         self._stop = threading.Event()
         self.new_instance(partial=False)
         self._heartbeat = threading.Thread(target=self._beat_loop, name=f"bridge-heartbeat-{settings.node_id}",
@@ -163,9 +170,52 @@ class Bridge:
 
     # ------------------------------------------------------------------ ZMQ batches
 
+    def attach(self) -> None:
+        """At start: everything the replay socket still holds, from seq 0 — an engine that has
+        been running (and may be idle now) is known at once, exactly if seq 0 is still there."""
+        if self.source is None or self.source.replay_url is None:
+            return
+        batches, _ = self.source.replay(0)
+        by_seq = {b.seq: b for b in batches}
+        if not by_seq:
+            return  # a new engine, or no answer: the first live batch decides
+        seq = min(by_seq)
+        if seq > 0:
+            self.translator.partial = True  # type: ignore[union-attr]
+            log.warning("node %s: the replay holds seq %d on, not 0: partial view", self.s.node_id, seq)
+        while seq in by_seq:  # up to the first hole; a later live batch fetches the rest
+            self._apply(by_seq[seq])
+            seq += 1
+        self.expected = seq
+
+    def reconnected(self) -> None:
+        """The SUB connected again: the publisher went away and came back. What it published
+        before the SUB reconnected comes from the replay socket: if its batches are not the ones
+        applied (a seq seen with another time, or none as far as ``expected``), the engine
+        restarted — a new, exact instance from its seq 0."""
+        if self.source is None or self.expected is None:
+            return
+        batches, _ = self.source.replay(0)
+        by_seq = {b.seq: b for b in batches}
+        if not by_seq:
+            return
+        restarted = max(by_seq) < self.expected - 1 or any(
+            seq in self._seen and self._seen[seq] != b.ts for seq, b in by_seq.items())
+        start = 0 if restarted else self.expected
+        if restarted:
+            self.new_instance(partial=min(by_seq) > 0, reason="engine restarted")
+            self._seen.clear()
+        seq = start
+        while seq in by_seq:
+            self._apply(by_seq[seq])
+            seq += 1
+        self.expected = max(self.expected, seq) if not restarted else seq
+
     def on_batch(self, batch: EngineBatch) -> None:
         """One batch from the SUB socket, in the order it came (see the module docstring)."""
         seq = batch.seq
+        if self._seen.get(seq) == batch.ts:
+            return  # already applied (from a replay): not a restart
         if self.expected is None or seq < self.expected:
             if self.expected is not None:  # the publisher restarted: the engine's cache is empty
                 self.new_instance(partial=False, reason="engine restarted")
@@ -202,6 +252,9 @@ class Bridge:
 
     def _apply(self, batch: EngineBatch) -> None:
         self.stats.batches += 1
+        self._seen[batch.seq] = batch.ts
+        if len(self._seen) > SEEN_BATCHES:
+            del self._seen[next(iter(self._seen))]
         for name, n in batch.skipped.items():
             self.stats.skipped[name] = self.stats.skipped.get(name, 0) + n
         for ev in batch.events:
@@ -237,6 +290,8 @@ class Bridge:
         """One turn of the main loop: a batch (if one comes), resync requests, publishing."""
         if self.source is not None:
             batch = self.source.recv(timeout_s)
+            if self.source.take_reconnect():
+                self.reconnected()
             if batch is not None:
                 self.on_batch(batch)
         elif self.poll_events is not None and not self.poll_events():
@@ -293,6 +348,7 @@ class Bridge:
     def run(self) -> None:
         """The main loop until :meth:`stop`; then the goodbye heartbeat."""
         self.beat()
+        self.attach()
         self._heartbeat.start()
         try:
             while not self._stop.is_set():

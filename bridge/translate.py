@@ -101,7 +101,9 @@ class Translator:
         #: set when the view is wrong, not just partial: the caller must start a new instance
         self.reset_reason: str | None = None
         self._keys: dict[EngineKey, BlockDigest] = {}
-        self._present: set[tuple[EngineKey, int]] = set()
+        #: engine copies per (engine hash, level): vLLM may hold one hash twice (a recomputed last
+        #: block) and removes each copy with its own event
+        self._present: dict[tuple[EngineKey, int], int] = {}
         self._held: dict[BlockDigest, _Held] = {}
         self._on = [0, 0]  # held blocks per level
         self.log.emit(Created(num_blocks_per_cache_level=list(num_blocks)))
@@ -199,10 +201,11 @@ class Translator:
     def _add(self, key: EngineKey, digest: BlockDigest, parent: BlockDigest | None, size: int,
              lora_id: int | None, level: int, priority: int) -> StoredBlock | None:
         """Record one engine block; the block to store in kvflow when it is new there."""
-        if (key, level) in self._present:
-            self.stats.duplicate_blocks += 1  # re-reported (vLLM's report mode "full")
+        copies = self._present.get((key, level), 0)
+        self._present[(key, level)] = copies + 1
+        if copies:
+            self.stats.duplicate_blocks += 1  # another copy of a block kvflow holds: counted, not stored
             return None
-        self._present.add((key, level))
         self._keys[key] = digest
         held = self._held.get(digest)
         if held is not None:
@@ -226,11 +229,15 @@ class Translator:
             lv = level
             if lv is None:
                 lv = GPU if (key, GPU) in self._present else HOST
-            if (key, lv) not in self._present:
+            copies = self._present.get((key, lv), 0)
+            if not copies:
                 self.stats.unknown_removed_blocks += 1
                 continue
             level_ = lv
-            self._present.discard((key, level_))
+            if copies > 1:  # another copy of it stays on that level
+                self._present[(key, level_)] = copies - 1
+                continue
+            del self._present[(key, level_)]
             digest = self._keys[key]
             if (key, GPU) not in self._present and (key, HOST) not in self._present:
                 del self._keys[key]
@@ -257,8 +264,7 @@ class Translator:
         level_diff = prio_diff = None
         if level is not None and level != held.level:
             old = held.level
-            self._present.discard((key, old))
-            self._present.add((key, level))
+            self._present[(key, level)] = self._present.pop((key, old), 1)
             held.refs[old] -= 1
             held.refs[level] += 1
             if held.level != old:

@@ -138,12 +138,19 @@ def decode_frames(frames: list[bytes]) -> EngineBatch:
     """A PUB message ``[topic, seq, payload]`` (or a replayed one, ``[topic, seq, payload]`` after
     the DEALER's empty delimiter is stripped).
 
+    A payload that is not a batch under a good seq is a batch *without events* (``skipped``
+    ``garbage``): its seq came, so it is no gap, and replaying it would give the same bytes.
+
     Raises:
-        WireError: another frame count, a seq that is not 8 bytes, a bad payload.
+        WireError: another frame count, or a seq that is not 8 bytes.
     """
     if len(frames) != 3:
         raise WireError(f"{len(frames)} frames, not 3 (topic, seq, payload)")
-    return decode_payload(decode_seq(frames[1]), frames[2])
+    seq = decode_seq(frames[1])
+    try:
+        return decode_payload(seq, frames[2])
+    except WireError:
+        return EngineBatch(seq, 0.0, [], None, {"garbage": 1})
 
 
 def decode_seq(frame: bytes) -> int:

@@ -34,22 +34,56 @@ class ZmqSource:
         self.sub.setsockopt(zmq.RCVHWM, hwm)
         self.sub.setsockopt(zmq.LINGER, 0)
         self.sub.setsockopt_string(zmq.SUBSCRIBE, topic)
+        # The SUB reconnects by itself when the publisher comes back (an engine restart binds
+        # anew): what was published before it reconnected never arrives, so the bridge is told
+        # (take_reconnect) and asks the replay socket.
+        self._monitor = self.sub.get_monitor_socket(zmq.EVENT_CONNECTED)
+        self._connects = 0
+        self._reconnected = False
         self.sub.connect(events_url)
         self.garbage = 0
+        self.reconnects = 0
         self.replays = 0
         self.replayed_batches = 0
 
+    def take_reconnect(self) -> bool:
+        """True once after the SUB connected again (the publisher went away and came back)."""
+        seen, self._reconnected = self._reconnected, False
+        return seen
+
+    def _monitor_events(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)
+            if event["event"] == zmq.EVENT_CONNECTED:
+                self._connects += 1
+                if self._connects > 1:
+                    self.reconnects += 1
+                    self._reconnected = True
+                    log.warning("reconnected to %s: the publisher went away and came back", self.events_url)
+
     def recv(self, timeout_s: float) -> EngineBatch | None:
         """The next batch within ``timeout_s`` (None: none came, or what came was garbage)."""
-        if not self.sub.poll(int(timeout_s * 1000)):
+        poller = zmq.Poller()
+        poller.register(self.sub, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        ready = dict(poller.poll(int(timeout_s * 1000)))
+        if self._monitor in ready:
+            self._monitor_events()
+        if self.sub not in ready:
             return None
         frames = self.sub.recv_multipart()
         try:
-            return decode_frames(frames)
+            batch = decode_frames(frames)
         except WireError as exc:
             self.garbage += 1
             log.warning("skipping a message that is not a KV event batch: %s", exc)
             return None
+        if "garbage" in batch.skipped:
+            self.garbage += 1
+            log.warning("batch %d is not a KV event batch: counted, its seq taken", batch.seq)
+        return batch
 
     def replay(self, start: int) -> tuple[list[EngineBatch], bool]:
         """The batches the publisher still holds from ``start``, and whether its end marker came
@@ -86,5 +120,7 @@ class ZmqSource:
         return out, False
 
     def close(self) -> None:
+        self.sub.disable_monitor()
+        self._monitor.close()
         self.sub.close()
         self.ctx.term()

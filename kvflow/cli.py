@@ -359,6 +359,7 @@ def bridge_cmd(
         "metrics_url": metrics_url, "model": model, "block_size": block_size, "num_blocks": num_blocks,
         "reset_engine_cache": reset_engine_cache}.items() if v is not None}
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per scrape
 
     def go() -> None:
         from pydantic import ValidationError

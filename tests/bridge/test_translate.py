@@ -47,10 +47,12 @@ def test_maps_and_positional_arrays_decode_alike_and_unknown_things_are_counted(
     assert batch.events[3] == AllBlocksCleared()
     assert batch.skipped == {"field:BlockStored.group_idx": 1, "field:BlockStored.kv_cache_spec_kind": 1,
                              "type:Mystery": 1, "type:?": 1}
-    for bad in ([b"", b"\x00" * 7, b""], [b"", (1).to_bytes(8, "big"), b"\xc1"], [b"x"],
-                [b"", (1).to_bytes(8, "big"), msgspec.msgpack.encode({"a": 1})]):
+    for bad in ([b"", b"\x00" * 7, b""], [b"x"], [b"", b"", b"", b""]):
         with pytest.raises(WireError):
             decode_frames(bad)
+    for junk in (b"\xc1", msgspec.msgpack.encode({"a": 1}), msgspec.msgpack.encode(["x", 42, None])):
+        # under a good seq: a batch without events (its seq came: no gap), counted as garbage
+        assert decode_frames([b"", (9).to_bytes(8, "big"), junk]) == EngineBatch(9, 0.0, [], None, {"garbage": 1})
 
 
 def drained(t: Translator) -> NodeState:
@@ -86,14 +88,16 @@ def test_what_cannot_be_translated_is_skipped_counted_and_makes_the_view_partial
 def test_duplicates_salts_kvflow_cannot_see_and_tiers():
     t = Translator(num_blocks=[64, 16])
     t.stored([1], None, [[1, 2, 3, 4]])
-    t.stored([1], None, [[1, 2, 3, 4]])  # re-reported (report mode "full")
+    t.stored([1], None, [[1, 2, 3, 4]])  # a second copy (vLLM recomputes a fully cached prompt's last block)
     t.stored([2], None, [[1, 2, 3, 4]])  # the same tokens under another engine hash (a salt we do not see)
     t.stored([1], None, [[1, 2, 3, 4]], level=1)  # offloaded: a copy on the host too
     state = drained(t)
     (h,) = kv([1, 2, 3, 4])
     assert list(state.blocks) == [h] and state.blocks[h].cache_level == 0 and t.stats.duplicate_blocks == 1
-    t.removed([1])  # the GPU copy of engine hash 1 goes; hash 2 still holds it on the GPU
-    t.removed([2])  # now only the host copy is left: the block moves to level 1
+    t.removed([1])  # one GPU copy of engine hash 1 goes: the other stays
+    t.removed([1])  # now hash 1's GPU copies are gone; hash 2 still holds the block on the GPU
+    assert drained_more(t, state).blocks[h].cache_level == 0
+    t.removed([2])  # only the host copy is left: the block moves to level 1
     state = drained_more(t, state)
     assert state.blocks[h].cache_level == 1
     t.removed([1], level=1)
@@ -123,6 +127,8 @@ def test_lora_and_salt_enter_the_digest():
 class FakeSource:
     """A replay socket holding ``held`` batches (seq → events)."""
 
+    replay_url = "tcp://replay"
+
     def __init__(self, held: dict[int, list]) -> None:
         self.held = held
         self.asked: list[int] = []
@@ -133,8 +139,8 @@ class FakeSource:
         return [batch(s, ev) for s, ev in sorted(self.held.items()) if s >= start], True
 
 
-def batch(seq: int, events: list) -> EngineBatch:
-    return decode_frames(frames(seq, events))
+def batch(seq: int, events: list, ts: float = 1.0) -> EngineBatch:
+    return decode_frames(frames(seq, events, ts))
 
 
 def bridge(held: dict[int, list] | None = None) -> tuple[Bridge, InMemorySink, FakeSource]:
@@ -179,8 +185,9 @@ def test_gaps_are_healed_by_replay_else_a_new_partial_instance_and_restarts_star
     b.pump()
     second = [i for i in instances(sink) if i != first]
     assert len(second) == 1 and list(instances(sink)[second[0]].blocks) == kv([7] * 4) and b.partial
-    b.on_batch(batch(0, [stored_map([1], None, [1, 2, 3, 4])]))  # the engine restarted: seq 0 again
-    b.on_batch(batch(1, [{"type": "AllBlocksCleared"}, stored_map([5], None, [5] * 4)]))
+    b.on_batch(batch(2, [stored_map([7], None, [7] * 4)]))  # seen already (same seq and time): dropped
+    b.on_batch(batch(0, [stored_map([1], None, [1, 2, 3, 4])], ts=2.0))  # the engine restarted: seq 0 again
+    b.on_batch(batch(1, [{"type": "AllBlocksCleared"}, stored_map([5], None, [5] * 4)], ts=2.0))
     b.pump()
     assert b.instances == 4 and not b.partial and b.resets == {
         "gap not filled by replay": 1, "engine restarted": 1, "AllBlocksCleared": 1}
@@ -215,3 +222,30 @@ def test_heartbeats_come_from_the_engines_metrics():
     assert st is not None and (st.capacity, st.active_requests, st.queued_requests, st.active_blocks) == (
         [2048, 0], 3, 2, 512)
     assert st.block_size == BS and st.url == "http://127.0.0.1:8000" and st.model == "m"
+
+
+def test_at_start_the_bridge_takes_what_the_replay_holds_and_drops_live_duplicates_of_it():
+    s0, s1 = [stored_map([1], None, [1, 2, 3, 4])], [stored_map([2], 1, [5, 6, 7, 8])]
+    b, sink, _source = bridge({0: s0, 1: s1})
+    b.attach()  # an idle engine with history: known before any live batch
+    b.on_batch(batch(1, s1))  # published while the replay answered: the same batch, dropped
+    b.pump()
+    (state,) = instances(sink).values()
+    assert list(state.blocks) == kv([1, 2, 3, 4, 5, 6, 7, 8]) and not b.partial and b.expected == 2
+    b, sink, _ = bridge({1: s1})  # seq 0 is gone from the buffer: partial
+    b.attach()
+    assert b.partial and b.expected == 2
+
+
+def test_a_publisher_that_came_back_is_asked_what_the_sub_missed_and_a_restart_is_told_apart():
+    s0, s1 = [stored_map([1], None, [1, 2, 3, 4])], [stored_map([2], 1, [5, 6, 7, 8])]
+    b, sink, source = bridge()
+    b.on_batch(batch(0, s0))
+    source.held = {0: s0, 1: s1}  # the same publisher: seq 1 went out while the SUB reconnected
+    b.reconnected()
+    assert b.expected == 2 and b.instances == 1
+    source.held = {0: [stored_map([9], None, [9] * 4)]}  # a restarted one: it has published only seq 0 since
+    b.reconnected()
+    b.pump()
+    assert b.instances == 2 and b.resets == {"engine restarted": 1} and b.expected == 1
+    assert list(instances(sink)[b.instance_id].blocks) == kv([9] * 4)
