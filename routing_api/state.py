@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from eventbus.chat import load_chat_template
 from eventbus.protocol import NodeId
 from eventbus.tokenizers import Tokenizer, load_tokenizer
 from routing_api.config import ApiKey, RouterSettings
@@ -124,7 +125,9 @@ class RouterState:
 
     def __post_init__(self) -> None:
         if self.templates is None:
-            self.templates = ChatTemplates(self.client, self.settings.chat_template_ttl_s)
+            folder = self.settings.tokenizer_dir
+            self.templates = ChatTemplates(self.client, self.settings.chat_template_ttl_s,
+                                           load_chat_template(folder) if folder else None)
 
     @classmethod
     def open(cls, settings: RouterSettings, keys: dict[str, ApiKey], database_url: str, db: DatabaseSettings,

@@ -6,8 +6,12 @@ with a ``version`` (a digest of the template and its special tokens); the router
 from a live node of the model and keeps it while that node instance lives, at most ``ttl_s``
 (``KVFLOW_ROUTER_CHAT_TEMPLATE_TTL_S``), so a fleet that rolls out a new template is seen within it.
 
-When no node answers, a chat is routed by load alone (no prefix credit) rather than refused: the
-node renders the chat itself, so the answer is the same, only the cache is not used for the choice.
+Engines behind a bridge (vLLM, SGLang, TensorRT-LLM) serve no such endpoint: for them the router
+renders with the template of its own model folder (``KVFLOW_ROUTER_TOKENIZER_DIR``, the folder
+whose ``tokenizer.json`` it tokenizes with: its ``chat_template.jinja`` or
+``tokenizer_config.json``), the one the engine loaded from the same model. When neither is there,
+a chat is routed by load alone (no prefix credit) rather than refused: the node renders the chat
+itself, so the answer is the same, only the cache is not used for the choice.
 """
 
 from __future__ import annotations
@@ -40,9 +44,11 @@ class Fetched:
 class ChatTemplates:
     """Per model, the template last fetched and the node instance it came from."""
 
-    def __init__(self, client: httpx.AsyncClient, ttl_s: float = 60.0) -> None:
+    def __init__(self, client: httpx.AsyncClient, ttl_s: float = 60.0, fallback: ChatTemplate | None = None) -> None:
         self.client = client
         self.ttl_s = ttl_s
+        #: the router's own model folder's template, for models whose nodes serve none
+        self.fallback = fallback
         self.fetches = 0
         self.failures = 0
         self._by_model: dict[str, Fetched] = {}
@@ -61,8 +67,8 @@ class ChatTemplates:
             if held is not None and self._valid(held, rows):
                 return held.template
             fetched = await self._fetch(model, rows)
-            if fetched is None:
-                return held.template if held is not None else None  # the last one known beats none
+            if fetched is None:  # the last one known beats the folder's, which beats none
+                return held.template if held is not None else self.fallback
             if held is not None and held.template.version != fetched.template.version:
                 log.info("model %s: chat template %s -> %s (from %s)", model, held.template.version,
                          fetched.template.version, fetched.node_id)
@@ -97,5 +103,6 @@ class ChatTemplates:
     def describe(self) -> dict[str, Any]:
         """What ``/v1/stats`` shows: per model, the version held and where it came from."""
         return {"fetches": self.fetches, "failures": self.failures,
+                "fallback": None if self.fallback is None else self.fallback.version,
                 "models": {m: {"version": f.template.version, "node_id": f.node_id,
                                "age_s": round(time.monotonic() - f.at, 3)} for m, f in self._by_model.items()}}

@@ -81,3 +81,12 @@ def test_a_node_that_does_not_answer_is_skipped_and_the_last_template_beats_none
     assert asyncio.run(go()) == [DEFAULT_CHAT_TEMPLATE, DEFAULT_CHAT_TEMPLATE]
     assert run(Nodes(a=None), [row("a")]) == [None]
     assert run(Nodes(a=OTHER), [row("a", model="other")]) == [None]  # no node of the model
+
+
+def test_nodes_that_serve_no_template_get_the_routers_own_folders():
+    async def go() -> str | None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(Nodes(a=None))) as client:  # e.g. a vLLM
+            t = await ChatTemplates(client, fallback=ChatTemplate(OTHER, source="folder")).get("m", [row("a")])
+            return None if t is None else t.template
+
+    assert asyncio.run(go()) == OTHER
