@@ -151,7 +151,9 @@ class Bridge:
             self.resets[reason] = self.resets.get(reason, 0) + 1
             log.warning("node %s: a new instance (%s)%s", self.s.node_id, reason, ", partial" if partial else "")
         self.instance_id = InstanceId(uuid.uuid4().hex)
-        self.translator = Translator(num_blocks=[self.capacity, 0], max_keys=self.s.max_keys, stats=self.stats,
+        # The engine holds at most its capacity of distinct hashes: more means removals were missed.
+        bound = min(self.s.max_keys, 2 * self.capacity) if self.capacity else self.s.max_keys
+        self.translator = Translator(num_blocks=[self.capacity, 0], max_keys=bound, stats=self.stats,
                                      partial=partial)
         self.publisher = Publisher(self.translator, self.sink, self.s.node_id, self.instance_id)
         self.instances += 1

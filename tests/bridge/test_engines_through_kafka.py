@@ -103,8 +103,9 @@ def test_vllm_pool_equals_node_blocks_through_stores_reuse_evictions_lora_and_re
     assert len(truth) > 10
     row = node_row(s.db, s.node)
     assert (row["model"], row["block_size"], row["url"], row["status"]) == ("vllm-model", BS, s.http.url, "live")
-    route = routed(pipeline, s.node, PROMPTS[7] + [1, 2, 3])
-    assert route["matched_blocks"] == 3  # its three full prompt blocks are cached
+    body, route = routed(pipeline, s.node, PROMPTS[7] + [1, 2, 3])
+    assert route["matched_blocks"] == 3  # its three full prompt blocks are cached ...
+    assert body["node_id"] == s.node and body["matched_blocks"] == 3  # ... so it is the choice
     s.engine.reset()
     s.engine.request("after-reset", PROMPTS[1], decode=1)
     s.settle("after reset_prefix_cache (AllBlocksCleared: a new instance)")
@@ -179,8 +180,9 @@ def test_sglang_publisher_through_the_bridge(pipeline):
             s.close()
 
 
-def routed(pipeline: dict[str, Any], node: str, token_ids: list[int]) -> dict[str, Any]:
-    """``POST /v1/route`` on a router process reading the pipeline's database: the node's candidate."""
+def routed(pipeline: dict[str, Any], node: str, token_ids: list[int]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``POST /v1/route`` on a router process reading the pipeline's database: the answer and the
+    node's candidate in it."""
     reader_role = make_url(DatabaseSettings().reader())
     reader = make_url(pipeline["db"]).set(username=reader_role.username, password=reader_role.password)
     port = free_port()
@@ -189,13 +191,13 @@ def routed(pipeline: dict[str, Any], node: str, token_ids: list[int]) -> dict[st
                              "KVFLOW_DATABASE_READER_URL": reader.render_as_string(hide_password=False)},
                             pipeline["tmp"] / f"router-{node}.log").start()
     try:
-        def ask() -> dict[str, Any] | None:
+        def ask() -> tuple[dict[str, Any], dict[str, Any]] | None:
             try:
                 r = httpx.post(f"http://127.0.0.1:{port}/v1/route", json={"token_ids": token_ids}, timeout=2)
             except httpx.HTTPError:
                 return None
             cands = [c for c in r.json().get("candidates", []) if c["node_id"] == node]
-            return cands[0] if cands and r.status_code == 200 else None
+            return (r.json(), cands[0]) if cands and r.status_code == 200 and cands[0]["eligible"] else None
 
         return wait_for(ask, 60, what="the router's answer")
     finally:
