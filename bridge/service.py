@@ -44,11 +44,12 @@ from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from bridge.engine_http import EngineClient, EngineLoad
-from bridge.translate import GPU, BridgeStats, Translator, level_of
+from bridge.translate import BridgeStats, Translator, level_of
 from bridge.wire import AllBlocksCleared, BlockRemoved, BlockStored, EngineBatch
 from bridge.zmq_source import ZmqSource
 from eventbus.hashing import block_digest
 from eventbus.protocol import InstanceId, NodeCounters, NodeId, NodeStats
+from inference_node.kv.block import GPU
 from inference_node.publisher import ControlListener, Publisher, Sink
 
 log = logging.getLogger("kvflow.bridge")

@@ -44,11 +44,9 @@ from eventbus.protocol import (
     StoredBlock,
     Updated,
 )
+from inference_node.kv.block import GPU, HOST
 from inference_node.kv.events import EventLog
 from inference_node.kv.types import KvStats
-
-#: kvflow's cache levels
-GPU, HOST = 0, 1
 
 
 def level_of(medium: str | None) -> int:

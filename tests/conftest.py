@@ -59,19 +59,10 @@ def kafka_bootstrap() -> str:
 @pytest.fixture
 def kafka_settings(kafka_bootstrap: str) -> Iterator[KafkaSettings]:
     """Settings with topics of their own (created, and deleted after the test)."""
-    from eventbus.kafka import delete_topics, ensure_topics, topic_specs
+    from tests.support import own_topics
 
-    suffix = uuid.uuid4().hex[:10]
-    s = KafkaSettings(
-        bootstrap=kafka_bootstrap,
-        events_topic=f"kv-events-{suffix}",
-        stats_topic=f"node-stats-{suffix}",
-        dlq_topic=f"kv-events-dlq-{suffix}",
-        control_topic=f"kv-control-{suffix}",
-    )
-    ensure_topics(s)
-    yield s
-    delete_topics(s, [t.name for t in topic_specs(s)])
+    with own_topics(kafka_bootstrap) as s:
+        yield s
 
 
 # ------------------------------------------------------------------------------- PostgreSQL

@@ -44,6 +44,21 @@ def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.2
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
 
 
+@contextlib.contextmanager
+def own_topics(bootstrap: str) -> Iterator[KafkaSettings]:
+    """Kafka settings with topics of their own: created, and deleted after the block."""
+    from eventbus.kafka import delete_topics, ensure_topics, topic_specs
+
+    suffix = uuid.uuid4().hex[:10]
+    s = KafkaSettings(bootstrap=bootstrap, events_topic=f"kv-events-{suffix}", stats_topic=f"node-stats-{suffix}",
+                      dlq_topic=f"kv-events-dlq-{suffix}", control_topic=f"kv-control-{suffix}")
+    ensure_topics(s)
+    try:
+        yield s
+    finally:
+        delete_topics(s, [t.name for t in topic_specs(s)])
+
+
 def kafka_env(k: KafkaSettings) -> dict[str, str]:
     return {"KVFLOW_KAFKA_BOOTSTRAP": k.bootstrap, "KVFLOW_KAFKA_EVENTS_TOPIC": k.events_topic,
             "KVFLOW_KAFKA_STATS_TOPIC": k.stats_topic, "KVFLOW_KAFKA_DLQ_TOPIC": k.dlq_topic,

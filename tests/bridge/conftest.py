@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import threading
-import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -14,10 +13,8 @@ from typing import Any
 
 import pytest
 
-from eventbus.config import KafkaSettings
-from eventbus.kafka import delete_topics, ensure_topics, topic_specs
 from kvflow.bench.scratch import scratch_database
-from tests.support import ServiceProcess, kafka_env, materializer
+from tests.support import ServiceProcess, kafka_env, materializer, own_topics
 
 
 class EngineHTTP:
@@ -102,21 +99,13 @@ class EngineHTTP:
 @pytest.fixture(scope="module")
 def pipeline(kafka_bootstrap, pg_owner_url, tmp_path_factory) -> Iterator[dict[str, Any]]:
     """Topics and a database of their own, and a materializer writing into it."""
-    suffix = uuid.uuid4().hex[:10]
-    kafka = KafkaSettings(bootstrap=kafka_bootstrap, events_topic=f"kv-events-{suffix}",
-                          stats_topic=f"node-stats-{suffix}", dlq_topic=f"kv-events-dlq-{suffix}",
-                          control_topic=f"kv-control-{suffix}")
-    ensure_topics(kafka)
     tmp = tmp_path_factory.mktemp("bridge")
-    try:
-        with scratch_database(pg_owner_url, "kvflow_bridge") as db:
-            mat = materializer(kafka, db, tmp).start()
-            try:
-                yield {"kafka": kafka, "db": db, "tmp": tmp}
-            finally:
-                mat.stop()
-    finally:
-        delete_topics(kafka, [t.name for t in topic_specs(kafka)])
+    with own_topics(kafka_bootstrap) as kafka, scratch_database(pg_owner_url, "kvflow_bridge") as db:
+        mat = materializer(kafka, db, tmp).start()
+        try:
+            yield {"kafka": kafka, "db": db, "tmp": tmp}
+        finally:
+            mat.stop()
 
 
 def start_bridge(pipeline: dict[str, Any], engine: str, node_id: str, *args: str, **env: str) -> ServiceProcess:

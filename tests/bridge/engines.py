@@ -122,6 +122,17 @@ def engine_missing(engine: str) -> str | None:
     return None
 
 
+def require(engine: str) -> None:
+    """Skip a test without ``engine`` — a failure where ``KVFLOW_REQUIRE_ENGINES=1`` (``make test``)."""
+    import pytest
+
+    why = engine_missing(engine)
+    if why:
+        if os.environ.get("KVFLOW_REQUIRE_ENGINES") == "1":
+            pytest.fail(f"{why}; make test installs it")
+        pytest.skip(why)
+
+
 class EngineProcess:
     """An engine script as a subprocess; its commands as methods. A context manager."""
 

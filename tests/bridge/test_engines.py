@@ -26,10 +26,10 @@ from tests.bridge.engines import (
     SglangEngine,
     VllmEngine,
     engine_hashes,
-    engine_missing,
     expected_kvflow_hashes,
     receive,
     replay,
+    require,
     subscribe,
 )
 
@@ -40,14 +40,6 @@ PROMPT = list(range(1000, 1040))  # 2 full blocks and 8 tokens
 LORA = {"name": "adapterA", "id": 7}
 FILLS = [list(range(5000 + 100 * i, 5000 + 100 * i + 4 * BS + 3)) for i in range(4)]  # 4 full blocks each
 LAST_FILL = FILLS[-1]
-
-
-def require(engine: str) -> None:
-    why = engine_missing(engine)
-    if why:
-        if os.environ.get("KVFLOW_REQUIRE_ENGINES") == "1":
-            pytest.fail(f"{why}; make test installs it")
-        pytest.skip(why)
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["int-hashes", "bytes-hashes"])

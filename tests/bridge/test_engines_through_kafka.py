@@ -9,7 +9,6 @@ must credit the node with the right ``matched_blocks``.
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -20,21 +19,19 @@ from sqlalchemy.engine import make_url
 
 from state_store.config import DatabaseSettings
 from tests.bridge.conftest import EngineHTTP, start_bridge
-from tests.bridge.engines import EngineProcess, SglangEngine, VllmEngine, engine_missing, expected_kvflow_hashes
+from tests.bridge.engines import (
+    EngineProcess,
+    SglangEngine,
+    VllmEngine,
+    expected_kvflow_hashes,
+    require,
+)
 from tests.support import ServiceProcess, free_port, kafka_env, node_row, sql_blocks, wait_for
 
 pytestmark = pytest.mark.integration
 
 BS = 16
 PROMPTS = [list(range(100 * i, 100 * i + 3 * BS + 5)) for i in range(1, 9)]  # 3 full blocks each
-
-
-def require(engine: str) -> None:
-    why = engine_missing(engine)
-    if why:
-        if os.environ.get("KVFLOW_REQUIRE_ENGINES") == "1":
-            pytest.fail(f"{why}; make test installs it")
-        pytest.skip(why)
 
 
 def node_id() -> str:

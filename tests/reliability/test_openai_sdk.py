@@ -6,19 +6,16 @@ multi-turn chat that stays on the node holding its history."""
 from __future__ import annotations
 
 import time
-import uuid
 
 import httpx
 import openai
 import pytest
 from sqlalchemy.engine import make_url
 
-from eventbus.config import KafkaSettings
-from eventbus.kafka import delete_topics, ensure_topics, topic_specs
 from kvflow.bench.scratch import scratch_database
 from state_store.config import DatabaseSettings
 from tests.inference_node.test_node_kafka import start_node
-from tests.support import ServiceProcess, applied_through_id, free_port, kafka_env, materializer, wait_for
+from tests.support import ServiceProcess, applied_through_id, free_port, kafka_env, materializer, own_topics, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -28,44 +25,36 @@ MODEL = "kvflow-tiny-llama"
 @pytest.fixture(scope="module")
 def fleet(kafka_bootstrap, pg_owner_url, tmp_path_factory):
     """A router process, two node processes and a materializer, on topics and a database of their own."""
-    suffix = uuid.uuid4().hex[:10]
-    kafka = KafkaSettings(bootstrap=kafka_bootstrap, events_topic=f"kv-events-{suffix}",
-                          stats_topic=f"node-stats-{suffix}", dlq_topic=f"kv-events-dlq-{suffix}",
-                          control_topic=f"kv-control-{suffix}")
-    ensure_topics(kafka)
     tmp = tmp_path_factory.mktemp("sdk")
-    try:
-        with scratch_database(pg_owner_url, "kvflow_sdk") as owner:
-            reader_role = make_url(DatabaseSettings().reader())
-            reader = make_url(owner).set(username=reader_role.username, password=reader_role.password)
-            mat = materializer(kafka, owner, tmp).start()
-            nodes = [start_node(kafka, tmp, f"sdk-{x}", num_blocks="256") for x in "ab"]
-            port = free_port()
-            router = ServiceProcess(["router", "--port", str(port), "--log-level", "warning"],
-                                    {**kafka_env(kafka), "KVFLOW_DATABASE_READER_URL":
-                                     reader.render_as_string(hide_password=False),
-                                     "KVFLOW_ROUTER_NODES_CACHE_S": "0.1"}, tmp / "router.log").start()
-            base = f"http://127.0.0.1:{port}"
-            try:
-                wait_for(lambda: all(applied_through_id(owner, f"sdk-{x}") for x in "ab"), 60, what="both nodes")
+    with own_topics(kafka_bootstrap) as kafka, scratch_database(pg_owner_url, "kvflow_sdk") as owner:
+        reader_role = make_url(DatabaseSettings().reader())
+        reader = make_url(owner).set(username=reader_role.username, password=reader_role.password)
+        mat = materializer(kafka, owner, tmp).start()
+        nodes = [start_node(kafka, tmp, f"sdk-{x}", num_blocks="256") for x in "ab"]
+        port = free_port()
+        router = ServiceProcess(["router", "--port", str(port), "--log-level", "warning"],
+                                {**kafka_env(kafka), "KVFLOW_DATABASE_READER_URL":
+                                 reader.render_as_string(hide_password=False),
+                                 "KVFLOW_ROUTER_NODES_CACHE_S": "0.1"}, tmp / "router.log").start()
+        base = f"http://127.0.0.1:{port}"
+        try:
+            wait_for(lambda: all(applied_through_id(owner, f"sdk-{x}") for x in "ab"), 60, what="both nodes")
 
-                def routable() -> bool:
-                    try:
-                        r = httpx.post(f"{base}/v1/route", json={"prompt": "ping"}, timeout=2)
-                    except httpx.HTTPError:
-                        return False
-                    return r.status_code == 200 and sum(c["eligible"] for c in r.json()["candidates"]) == 2
+            def routable() -> bool:
+                try:
+                    r = httpx.post(f"{base}/v1/route", json={"prompt": "ping"}, timeout=2)
+                except httpx.HTTPError:
+                    return False
+                return r.status_code == 200 and sum(c["eligible"] for c in r.json()["candidates"]) == 2
 
-                wait_for(routable, 60, what="the router to route to both nodes")
-                yield {"client": openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60),
-                       "db": owner}
-            finally:
-                router.stop()
-                for proc, _ in nodes:
-                    proc.stop()
-                mat.stop()
-    finally:
-        delete_topics(kafka, [t.name for t in topic_specs(kafka)])
+            wait_for(routable, 60, what="the router to route to both nodes")
+            yield {"client": openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60),
+                   "db": owner}
+        finally:
+            router.stop()
+            for proc, _ in nodes:
+                proc.stop()
+            mat.stop()
 
 
 @pytest.fixture
