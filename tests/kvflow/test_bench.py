@@ -24,7 +24,11 @@ NAMED = {
     "pipeline": ["figures.events_per_s", "baseline.raw_events_per_s", "ratios.vs_raw_ceiling",
                  "figures.freshness_p50_ms", "figures.freshness_p99_ms"],
     "route": ["figures.p50_ms", "figures.p99_ms", "figures.decisions_per_s", "baseline.sql_p50_ms",
-              "figures.multi_turn_cached_share", "baseline.multi_turn_cached_share"],
+              "figures.multi_turn_cached_share", "baseline.multi_turn_cached_share",
+              # a real subword tokenizer (a BPE trained by the bench; --quick: 8,192 ids)
+              "figures.bpe_p50_ms", "figures.bpe_p99_ms", "figures.bpe_cold_p50_ms",
+              "figures.bpe_tokenizers_alone_p50_ms", "figures.bpe_tokenize_share", "figures.bpe_tokenize_share_cold",
+              "figures.bpe_uncached_p50_ms", "figures.bpe_vocab_size"],
 }
 
 
@@ -54,3 +58,6 @@ def test_benchmarks_against_the_stack(name, tmp_path, kafka_settings, migrated_d
     result = run_bench(name, tmp_path, {**os.environ, "KVFLOW_KAFKA_BOOTSTRAP": kafka_settings.bootstrap})
     if name == "pipeline":
         assert result["details"]["throughput_seconds"]["n"] == result["details"]["rounds"] == 1
+    if name == "route":  # every multi-turn prompt after the first turn reused its history
+        cache = result["details"]["bpe"]["prefix_cache"]
+        assert cache["hits"] >= result["details"]["bpe"]["multi_turn_prompts"] and cache["uncacheable"] == 0
