@@ -29,6 +29,8 @@ NAMED = {
               "figures.bpe_p50_ms", "figures.bpe_p99_ms", "figures.bpe_cold_p50_ms",
               "figures.bpe_tokenizers_alone_p50_ms", "figures.bpe_tokenize_share", "figures.bpe_tokenize_share_cold",
               "figures.bpe_uncached_p50_ms", "figures.bpe_vocab_size"],
+    "bridge": ["figures.bridge_blocks_per_s", "figures.bridge_core_share_at_10k", "baseline.publisher_blocks_per_s",
+               "ratios.bridge_vs_publisher"],
 }
 
 
@@ -52,12 +54,14 @@ def test_benchmarks_without_services(name, tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("name", ["pipeline", "route"])
+@pytest.mark.parametrize("name", ["pipeline", "route", "bridge"])
 def test_benchmarks_against_the_stack(name, tmp_path, kafka_settings, migrated_database_url):
     # The benchmark makes its own topics and scratch databases on the stack the fixtures checked.
     result = run_bench(name, tmp_path, {**os.environ, "KVFLOW_KAFKA_BOOTSTRAP": kafka_settings.bootstrap})
     if name == "pipeline":
         assert result["details"]["throughput_seconds"]["n"] == result["details"]["rounds"] == 1
+    if name == "bridge" and os.environ.get("KVFLOW_REQUIRE_ENGINES") == "1":  # make test: vLLM's own publisher
+        assert result["details"]["publisher"] == "vllm.distributed.kv_events.ZmqEventPublisher"
     if name == "route":  # every multi-turn prompt after the first turn reused its history
         cache = result["details"]["bpe"]["prefix_cache"]
         assert cache["hits"] >= result["details"]["bpe"]["multi_turn_prompts"] and cache["uncacheable"] == 0
