@@ -39,6 +39,7 @@ from eventbus.protocol import (
     decode_control,
     encode,
 )
+
 log = logging.getLogger("kvflow.publisher")
 
 
