@@ -210,13 +210,17 @@ def _run_bench(name: str, json_path: str | None, produce: Callable[[Callable[[st
 
 @bench_app.command("kv")
 def bench_kv_cmd(json_path: JsonOpt = None, quick: QuickOpt = False,
-                 repeats: Annotated[int, typer.Option(help="Interleaved rounds.")] = 5) -> None:
-    """KV core: cost per operation vs an OrderedDict LRU; hit rates vs LRU and Belady on Mooncake."""
+                 repeats: Annotated[int, typer.Option(help="Interleaved rounds.")] = 5,
+                 trace: Annotated[str | None, typer.Option(
+                     "--trace", help="A trace in the Mooncake format (timestamp, input_length, output_length, "
+                                     "hash_ids; JSON lines) to replay: default the conversation trace.")] = None,
+                 ) -> None:
+    """KV core: cost per operation vs an OrderedDict LRU; hit rates vs LRU and Belady on a trace."""
     from kvflow.bench.kv import bench_kv
 
     kw: dict[str, Any] = {"num_blocks": 2_000, "requests": 1_500, "repeats": 2, "capacities": (400,),
                           "trace_limit": 1_500} if quick else {"repeats": repeats}
-    _run_bench("kv", json_path, lambda say: bench_kv(say=say, **kw))
+    _run_bench("kv", json_path, lambda say: bench_kv(say=say, trace_path=trace, **kw))
 
 
 @app.command("materializer")

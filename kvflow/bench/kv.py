@@ -25,7 +25,14 @@ from inference_node.kv.adaptive import AdaptivePolicy
 from inference_node.kv.manager import KvCacheConfig, KVCacheManager
 from inference_node.kv.prompt import Prompt
 from kvflow.bench.harness import BenchResult, interleaved
-from kvflow.traces import belady_hit_rate, hash_id_lists, load_trace, replay_core, trace_prompts
+from kvflow.traces import (
+    belady_hit_rate,
+    default_trace_path,
+    hash_id_lists,
+    load_trace,
+    replay_core,
+    trace_prompts,
+)
 
 BLOCK_SIZE = 32
 
@@ -148,7 +155,9 @@ def run_lookups_lru(mgr: LruBlockManager, prompts: Sequence[Prompt]) -> int:
 
 def bench_kv(*, num_blocks: int = 100_000, requests: int = 30_000, repeats: int = 5,
              capacities: Sequence[int] = (1000, 4000, 16000), trace_limit: int | None = None,
-             say: Callable[[str], None] = lambda _m: None) -> BenchResult:
+             trace_path: str | None = None, say: Callable[[str], None] = lambda _m: None) -> BenchResult:
+    """See the module docstring; ``trace_path``: a trace in the Mooncake format (default: the
+    conversation trace, ``kvflow.traces.default_trace_path``)."""
     res = BenchResult("kv")
     say(f"building a stream of {requests:,} requests …")
     prompts = synthetic_stream(requests)
@@ -206,8 +215,8 @@ def bench_kv(*, num_blocks: int = 100_000, requests: int = 30_000, repeats: int 
         "hit_rate_lru_baseline_note": "same stream; the core's leaf-only LRU and the OrderedDict differ slightly",
     })
 
-    say("replaying the Mooncake conversation trace …")
-    trace = load_trace(limit=trace_limit)
+    say(f"replaying {'the trace ' + trace_path if trace_path else 'the Mooncake conversation trace'} …")
+    trace = load_trace(trace_path, limit=trace_limit)
     tprompts = trace_prompts(trace)
     ids = hash_id_lists(trace)
     ratios_min = float("inf")
@@ -228,4 +237,5 @@ def bench_kv(*, num_blocks: int = 100_000, requests: int = 30_000, repeats: int 
     if 4000 in capacities:
         res.goals["adaptive_vs_lru_hit_rate_4000"] = ">= 1.5"
     res.details["trace_requests"] = len(trace)
+    res.details["trace"] = str(trace_path or default_trace_path())
     return res

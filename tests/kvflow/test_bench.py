@@ -65,3 +65,21 @@ def test_benchmarks_against_the_stack(name, tmp_path, kafka_settings, migrated_d
     if name == "route":  # every multi-turn prompt after the first turn reused its history
         cache = result["details"]["bpe"]["prefix_cache"]
         assert cache["hits"] >= result["details"]["bpe"]["multi_turn_prompts"] and cache["uncacheable"] == 0
+
+
+def test_bench_kv_replays_a_trace_given_by_the_user(tmp_path):
+    trace = tmp_path / "mine.jsonl"
+    lines = []
+    for i in range(300):  # conversations of 3 turns over a shared 4-block system prompt
+        conv, turn = divmod(i, 3)
+        ids = [0, 1, 2, 3] + [1000 + conv * 10 + t for t in range(turn + 1)]
+        lines.append(json.dumps({"timestamp": i * 100, "input_length": 512 * len(ids), "output_length": 100,
+                                 "hash_ids": ids}))
+    trace.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "kv.json"
+    proc = subprocess.run([sys.executable, "-m", "kvflow.cli", "bench", "kv", "--quick", "--trace", str(trace),
+                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["details"]["trace"] == str(trace) and result["details"]["trace_requests"] == 300
+    assert 0 < result["baseline"]["lru_hit_rate_400"] <= result["baseline"]["belady_hit_rate_400"] <= 1
