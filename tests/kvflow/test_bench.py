@@ -19,7 +19,8 @@ from tests.support import ROOT
 NAMED = {
     # --quick replays the trace at 400 blocks, not 1,000 / 4,000 / 16,000: the per-capacity names differ
     "kv": ["ratios.cost_vs_lru", "ratios.adaptive_vs_lru_hit_rate_min", "ratios.adaptive_vs_lru_hit_rate_400",
-           "ratios.adaptive_vs_belady_hit_rate_400"],
+           "ratios.adaptive_vs_belady_hit_rate_400", "ratios.adaptive_vs_arc_hit_rate_min",
+           "baseline.arc_hit_rate_400", "baseline.s3fifo_hit_rate_400"],
     "node": ["ratios.prefill_speedup_cached_90pct", "figures.prefill_tokens_per_s", "figures.decode_tokens_per_s"],
     "pipeline": ["figures.events_per_s", "baseline.raw_events_per_s", "ratios.vs_raw_ceiling",
                  "figures.freshness_p50_ms", "figures.freshness_p99_ms"],
