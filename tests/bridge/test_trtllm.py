@@ -52,7 +52,9 @@ def test_priorities_and_cache_levels_pass_through_and_a_gap_starts_a_new_instanc
                 return {k: (v.parent_hash, v.cache_level, v.priority) for k, v in sql_blocks(db, "trt-0").items()}
 
             wait_for(lambda: blocks() == want, 30, what="TensorRT-LLM's blocks in node_blocks")
-            row = node_row(db, "trt-0")
+            # the heartbeat (on its own topic) may be applied after the events
+            row = wait_for(lambda: (r := node_row(db, "trt-0")) is not None and r["url"] is not None and r, 30,
+                           what="the bridge's heartbeat")
             assert row["url"] == engine.url and row["model"] == "trt-model" and row["block_size"] == BS
             first = row["instance_id"]
             engine.queue(stored(9, None, [(201, [7, 7, 7, 7], 0, 50)]))  # ids 6..8 never came
@@ -61,3 +63,18 @@ def test_priorities_and_cache_levels_pass_through_and_a_gap_starts_a_new_instanc
         finally:
             bridge.stop()
         assert "future_kind" in bridge.log_path.read_text()  # counted, and logged at exit
+
+
+def test_an_engine_whose_metrics_go_silent_makes_its_node_stale(pipeline):
+    db = pipeline["db"]
+    with EngineHTTP(model="trt-model", num_gpu_blocks=8, block_size=BS) as engine:
+        bridge = start_bridge(pipeline, "trtllm", "trt-silent", "--engine-url", engine.url, "--block-size", str(BS),
+                              "--num-blocks", "8")
+        try:
+            wait_for(lambda: (node_row(db, "trt-silent") or {}).get("status") == "live", 30, what="live")
+            engine.up = False  # its HTTP server answers 503: no load, so no heartbeat
+            wait_for(lambda: node_row(db, "trt-silent")["status"] == "stale", 30, what="stale after the silence")
+            engine.up = True
+            wait_for(lambda: node_row(db, "trt-silent")["status"] == "live", 30, what="live again")
+        finally:
+            bridge.stop()
