@@ -48,7 +48,10 @@ class EngineLoad:
 
     @staticmethod
     def parse(engine: Engine, text: str, page_size: int | None = None) -> EngineLoad:
-        """The load in a Prometheus text page (see the module docstring for the names)."""
+        """The load in a Prometheus text page (see the module docstring for the names; TensorRT-LLM
+        has none: its load is not known)."""
+        if engine not in _NAMES:
+            return EngineLoad()
         values: dict[str, float] = {}
         info: dict[str, str] = {}
         for family in text_string_to_metric_families(text):
@@ -76,7 +79,6 @@ _NAMES: dict[str, dict[str, str]] = {
              "usage": "vllm:kv_cache_usage_perc", "capacity": "vllm:cache_config_info"},
     "sglang": {"running": "sglang:num_running_reqs", "waiting": "sglang:num_queue_reqs",
                "usage": "sglang:token_usage", "capacity": "sglang:max_total_num_tokens"},
-    "trtllm": {"running": "", "waiting": "", "usage": "", "capacity": ""},
 }
 
 

@@ -186,10 +186,7 @@ class Bridge:
         if seq > 0:
             self.translator.partial = True  # type: ignore[union-attr]
             log.warning("node %s: the replay holds seq %d on, not 0: partial view", self.s.node_id, seq)
-        while seq in by_seq:  # up to the first hole; a later live batch fetches the rest
-            self._apply(by_seq[seq])
-            seq += 1
-        self.expected = seq
+        self.expected = self._apply_run(by_seq, seq)  # up to the first hole; a later live batch fetches the rest
 
     def reconnected(self) -> None:
         """The SUB connected again: the publisher went away and came back. What it published
@@ -208,10 +205,7 @@ class Bridge:
         if restarted:
             self.new_instance(partial=min(by_seq) > 0, reason="engine restarted")
             self._seen.clear()
-        seq = start
-        while seq in by_seq:
-            self._apply(by_seq[seq])
-            seq += 1
+        seq = self._apply_run(by_seq, start)
         self.expected = max(self.expected, seq) if not restarted else seq
 
     def on_batch(self, batch: EngineBatch) -> None:
@@ -253,6 +247,14 @@ class Bridge:
         for b in suffix:
             self._apply(b)
 
+    def _apply_run(self, by_seq: dict[int, EngineBatch], start: int) -> int:
+        """Apply ``by_seq``'s batches from ``start`` up to the first missing seq; returns that seq."""
+        seq = start
+        while seq in by_seq:
+            self._apply(by_seq[seq])
+            seq += 1
+        return seq
+
     def _apply(self, batch: EngineBatch) -> None:
         self.stats.batches += 1
         self._seen[batch.seq] = batch.ts
@@ -266,10 +268,7 @@ class Bridge:
             if isinstance(ev, BlockStored):
                 if self.block_size is None:
                     self.block_size = ev.block_size
-                n, size = len(ev.block_hashes), ev.block_size
-                tokens = [ev.token_ids[i * size:(i + 1) * size] for i in range(n)] \
-                    if size > 0 and len(ev.token_ids) == n * size else []
-                t.stored(ev.block_hashes, ev.parent_block_hash, tokens, lora_id=lora_id_of(ev),
+                t.stored(ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, lora_id=lora_id_of(ev),
                          cache_salt=ev.cache_salt, level=level_of(ev.medium))
             elif isinstance(ev, BlockRemoved):
                 t.removed(ev.block_hashes, level_of(ev.medium))
@@ -322,8 +321,7 @@ class Bridge:
                                           v.host_blocks],
             active_requests=load.running, queued_requests=load.waiting, last_event_id=v.last_event_id,
             active_blocks=active, status=status,
-            counters=NodeCounters(events_published=self.publisher.events_sent if self.publisher else 0,
-                                  evictions_by_priority={}, offloads_by_priority={}))
+            counters=NodeCounters(events_published=self.publisher.events_sent if self.publisher else 0))
 
     def beat(self) -> bool:
         """Send one heartbeat from a fresh scrape; False when the engine did not answer."""

@@ -154,11 +154,12 @@ class Translator:
 
     # ------------------------------------------------------------------ engine events
 
-    def stored(self, keys: Sequence[EngineKey], parent: EngineKey | None, tokens: Sequence[Sequence[int]], *,
-               lora_id: int | None = None, cache_salt: str | None = None, level: int = GPU,
+    def stored(self, keys: Sequence[EngineKey], parent: EngineKey | None, token_ids: Sequence[int],
+               block_size: int, *, lora_id: int | None = None, cache_salt: str | None = None, level: int = GPU,
                priorities: Sequence[int] | None = None) -> None:
         """Blocks the engine cached: a chain under ``parent`` (None: from the sequence's start),
-        block ``i`` with engine hash ``keys[i]`` and token ids ``tokens[i]``."""
+        block ``i`` with engine hash ``keys[i]`` and the ``i``-th ``block_size`` tokens of
+        ``token_ids`` (the event's concatenation)."""
         n = len(keys)
         parent_digest: BlockDigest | None = None
         if parent is not None:
@@ -166,12 +167,11 @@ class Translator:
             if parent_digest is None:
                 self._skip("unknown_parent_blocks", n)
                 return
-        if len(tokens) != n or any(len(t) != len(tokens[0]) for t in tokens) or not n or not tokens[0]:
+        size = block_size
+        if not n or size <= 0 or len(token_ids) != n * size:  # a partial block, or a hybrid model's
             self._skip("untranslatable_blocks", n)
             return
-        size = len(tokens[0])
-        flat = [t for block in tokens for t in block]
-        digests = chain_digests(flat, size, lora_id=lora_id, cache_salt=cache_salt, parent=parent_digest)
+        digests = chain_digests(token_ids, size, lora_id=lora_id, cache_salt=cache_salt, parent=parent_digest)
         run: list[StoredBlock] = []
         run_parent = self._held[parent_digest].wire if parent_digest is not None else None
         for i, (key, digest) in enumerate(zip(keys, digests, strict=True)):

@@ -77,7 +77,7 @@ def _apply_one(bridge: Bridge, kind: Any, data: dict[str, Any]) -> None:
             if bridge.block_size is None and tokens:
                 bridge.block_size = len(tokens)
             lora = b.get("lora_id", data.get("lora_id"))
-            t.stored([b["block_hash"]], parent, [tokens], lora_id=lora, cache_salt=data.get("cache_salt"),
+            t.stored([b["block_hash"]], parent, tokens, len(tokens), lora_id=lora, cache_salt=data.get("cache_salt"),
                      level=int(b.get("cache_level", 0)), priorities=[int(b.get("priority", 35))])
             parent = b["block_hash"]
     elif kind == "removed":

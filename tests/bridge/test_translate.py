@@ -62,8 +62,8 @@ def drained(t: Translator) -> NodeState:
 def test_blocks_get_kvflow_digests_from_their_tokens_chained_on_the_parent():
     t = Translator(num_blocks=[64, 0])
     tokens = list(range(12))
-    t.stored([-5, 7], None, [tokens[0:4], tokens[4:8]])  # signed and unsigned engine hashes alike
-    t.stored([9], 7, [tokens[8:12]], level=0)
+    t.stored([-5, 7], None, tokens[0:8], BS)  # signed and unsigned engine hashes alike
+    t.stored([9], 7, tokens[8:12], BS, level=0)
     state = drained(t)
     want = kv(tokens)
     assert list(state.blocks) == want and state.blocks[want[2]].parent_hash == want[1]
@@ -79,18 +79,18 @@ def drained_more(t: Translator, state: NodeState) -> NodeState:
 
 def test_what_cannot_be_translated_is_skipped_counted_and_makes_the_view_partial():
     t = Translator(num_blocks=[64, 0])
-    t.stored([1], 99, [[1, 2, 3, 4]])  # the parent was never seen
-    t.stored([2, 3], None, [[1, 2, 3, 4], [5, 6]])  # a short block
+    t.stored([1], 99, [1, 2, 3, 4], BS)  # the parent was never seen
+    t.stored([2, 3], None, [1, 2, 3, 4, 5, 6], BS)  # a short block
     assert drained(t).blocks == {} and t.partial
     assert (t.stats.unknown_parent_blocks, t.stats.untranslatable_blocks) == (1, 2)
 
 
 def test_duplicates_salts_kvflow_cannot_see_and_tiers():
     t = Translator(num_blocks=[64, 16])
-    t.stored([1], None, [[1, 2, 3, 4]])
-    t.stored([1], None, [[1, 2, 3, 4]])  # a second copy (vLLM recomputes a fully cached prompt's last block)
-    t.stored([2], None, [[1, 2, 3, 4]])  # the same tokens under another engine hash (a salt we do not see)
-    t.stored([1], None, [[1, 2, 3, 4]], level=1)  # offloaded: a copy on the host too
+    t.stored([1], None, [1, 2, 3, 4], BS)
+    t.stored([1], None, [1, 2, 3, 4], BS)  # a second copy (vLLM recomputes a fully cached prompt's last block)
+    t.stored([2], None, [1, 2, 3, 4], BS)  # the same tokens under another engine hash (a salt we do not see)
+    t.stored([1], None, [1, 2, 3, 4], BS, level=1)  # offloaded: a copy on the host too
     state = drained(t)
     (h,) = kv([1, 2, 3, 4])
     assert list(state.blocks) == [h] and state.blocks[h].cache_level == 0 and t.stats.duplicate_blocks == 1
@@ -106,9 +106,9 @@ def test_duplicates_salts_kvflow_cannot_see_and_tiers():
 
 def test_a_snapshot_is_what_the_translator_holds_parents_first():
     t = Translator(num_blocks=[64, 0])
-    t.stored([1, 2, 3], None, [[1] * 4, [2] * 4, [3] * 4])
+    t.stored([1, 2, 3], None, [1] * 4 + [2] * 4 + [3] * 4, BS)
     t.removed([1])
-    t.stored([1], None, [[1] * 4])  # the parent comes back after its children
+    t.stored([1], None, [1] * 4, BS)  # the parent comes back after its children
     state = drained(t)
     t.request_snapshot()
     snap = NodeState().apply_all(t.drain_events())
@@ -117,7 +117,7 @@ def test_a_snapshot_is_what_the_translator_holds_parents_first():
 
 def test_lora_and_salt_enter_the_digest():
     t = Translator(num_blocks=[8, 0])
-    t.stored([1], None, [[1, 2, 3, 4]], lora_id=7, cache_salt="acme")
+    t.stored([1], None, [1, 2, 3, 4], BS, lora_id=7, cache_salt="acme")
     assert list(drained(t).blocks) == kv([1, 2, 3, 4], lora_id=7, salt="acme")
     named = BlockStored(block_hashes=[1], token_ids=[1, 2, 3, 4], block_size=BS, lora_name="adapterA")
     assert lora_id_of(named) == lora_id_of(named) and 0 <= lora_id_of(named) < 1 << 63
