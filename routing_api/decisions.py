@@ -80,6 +80,20 @@ class Routed:
         return size
 
 
+async def fleet_rows(state: RouterState) -> tuple[Sequence[Any], bool]:
+    """The ``nodes`` rows, and whether they are the last ones read (PostgreSQL away: degraded).
+
+    Raises:
+        Unavailable: PostgreSQL could not be read, and never has been (no fleet known yet).
+    """
+    try:
+        return await state.reader.nodes(), False
+    except DatabaseUnavailable as exc:
+        if not state.reader.known:
+            raise Unavailable(f"no fleet known yet: {exc.message}") from exc
+        return state.reader.last_nodes, True
+
+
 async def prepare(state: RouterState, token_ids: Sequence[int] | None, text: str | None, lora_id: int | None,
                   salt: str | None, model: str | None, *, special_tokens: bool = True) -> Prompt:
     """Tokenize the prompt, and hash it in each block size of the fleet that may serve it.
@@ -98,13 +112,7 @@ async def prepare(state: RouterState, token_ids: Sequence[int] | None, text: str
         HTTPException: 404 when no node serves ``model``.
         Unavailable: PostgreSQL could not be read, and never has been (no fleet known yet).
     """
-    degraded = False
-    try:
-        rows = await state.reader.nodes()
-    except DatabaseUnavailable as exc:
-        if not state.reader.known:
-            raise Unavailable(f"no fleet known yet: {exc.message}") from exc
-        rows, degraded = state.reader.last_nodes, True
+    rows, degraded = await fleet_rows(state)
     if model is not None and not any(r["model"] == model for r in rows):
         raise HTTPException(404, f"model {model!r} is not served by any node")
     tokens: Sequence[int] = token_ids if token_ids is not None else \

@@ -23,12 +23,10 @@ from fastapi import APIRouter, HTTPException, Request, Response
 from eventbus.api import ProxiedChat, ProxiedCompletion
 from eventbus.chat import ChatTemplateError, normalize_messages
 from routing_api.config import ApiKey
-from routing_api.decisions import route
+from routing_api.decisions import fleet_rows, route
 from routing_api.deps import State, scope
 from routing_api.errors import error_response
 from routing_api.proxy import forward
-from routing_api.queries import DatabaseUnavailable
-from routing_api.state import RouterState
 
 router = APIRouter()
 
@@ -57,7 +55,7 @@ async def completions(req: ProxiedCompletion, request: Request, state: State,
 async def chat_completions(req: ProxiedChat, request: Request, state: State,
                            key: ApiKey | None = scope("complete")) -> Response:
     content, tenant = await _body(request, key)
-    rows = await _rows(state)
+    rows = list((await fleet_rows(state))[0])
     model = req.model or _only_model(rows)
     if not any(r["model"] == model for r in rows):
         raise HTTPException(404, f"model {model!r} is not served by any node")
@@ -73,15 +71,6 @@ async def chat_completions(req: ProxiedChat, request: Request, state: State,
     return await forward(state, routed, "/v1/chat/completions", content, req.stream)
 
 
-async def _rows(state: RouterState) -> list[Any]:
-    try:
-        return list(await state.reader.nodes())
-    except DatabaseUnavailable:
-        if not state.reader.known:
-            raise
-        return list(state.reader.last_nodes)
-
-
 def _only_model(rows: list[Any]) -> str:
     models = sorted({r["model"] for r in rows if r["status"] != "gone" and r["model"]})
     if len(models) != 1:
@@ -93,7 +82,7 @@ def _only_model(rows: list[Any]) -> str:
 async def models(state: State, _: ApiKey | None = scope("read", "complete")) -> dict[str, Any]:
     """OpenAI's model list: each model that a live node serves, with those nodes (``kvflow.nodes``)."""
     serving: dict[str, list[str]] = defaultdict(list)
-    for r in await _rows(state):
+    for r in (await fleet_rows(state))[0]:
         if r["status"] in ("live", "resyncing") and r["model"] and r["url"]:
             serving[r["model"]].append(r["node_id"])
     created = int(state.started)
