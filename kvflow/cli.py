@@ -501,6 +501,45 @@ def sim_cmd(
     guarded("sim", run)
 
 
+trace_app = typer.Typer(no_args_is_help=True, help="Request traces in the Mooncake format (docs/traces.md).")
+app.add_typer(trace_app, name="trace")
+
+
+@trace_app.command("export")
+def trace_export_cmd(
+    out: Annotated[str, typer.Option("--out", help="The trace file to write (Mooncake JSON lines).")],
+    node: Annotated[str | None, typer.Option("--node", help="Only this node's history.")] = None,
+    since: Annotated[str | None, typer.Option(help="Requests from this time on (ISO 8601; UTC without a zone).")]
+    = None,
+    until: Annotated[str | None, typer.Option(help="Events before this time (ISO 8601; UTC without a zone).")]
+    = None,
+    database_url: Annotated[str | None, typer.Option(
+        "--database-url", help="PostgreSQL URL (default: KVFLOW_DATABASE_READER_URL, the read-only role).")] = None,
+) -> None:
+    """Write the fleet's history (block_events) as a request trace: one request per stored event."""
+    import asyncpg
+
+    from kvflow.trace_export import export_trace, parse_time
+    from state_store.config import DatabaseSettings
+
+    try:
+        start, end = (parse_time(since) if since else None), (parse_time(until) if until else None)
+    except ValueError as exc:
+        _fail("trace export", f"not an ISO 8601 time: {exc}")
+    url = database_url or DatabaseSettings().reader()
+
+    def run() -> Any:
+        try:
+            return asyncio.run(export_trace(url, out, node=node, since=start, until=end))
+        except asyncpg.PostgresError as exc:
+            raise StackError(f"{type(exc).__name__}: {_first_line(exc)} (at {redact_url(url)})") from exc
+
+    stats = guarded("trace export", run)
+    console.print(f"wrote {out}: {stats.requests} requests from {stats.stored_events} stored events "
+                  f"({stats.decode_continuations} decode continuations, {stats.partial_chains} with an unknown "
+                  f"ancestor, {stats.before_since} before --since)", highlight=False, soft_wrap=True)
+
+
 def main() -> None:
     # Started by a kvflow supervisor (demo, benches, `router --workers`): leave when it is gone.
     follow_parent()
