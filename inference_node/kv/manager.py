@@ -51,7 +51,7 @@ from inference_node.kv.adaptive import AdaptiveLearner, BlockContext
 from inference_node.kv.block import GPU, HOST, Block
 from inference_node.kv.clock import Clock, monotonic
 from inference_node.kv.events import EventLog
-from inference_node.kv.pool import BlockPool, RetentionOf
+from inference_node.kv.pool import BlockPool, Retentions
 from inference_node.kv.prompt import Prompt
 from inference_node.kv.retention import KvCacheRetentionConfig
 from inference_node.kv.types import Allocation, BlockCopy, KvCacheConfig, KvStats, OutOfBlocks
@@ -133,7 +133,7 @@ class KVCacheManager:
         else:
             block_table = new_slots.copy()
         pool.store_prompt(prompt, blocks, new_slots, n_blocks,
-                          self._retention_of(prompt, retention, n_matched) if hinted else None)
+                          self._retentions(prompt, retention, n_matched, n_blocks) if hinted else None)
 
         hit_tokens = n_matched * self.block_size
         st = self.stats
@@ -306,6 +306,9 @@ class KVCacheManager:
         if adaptive is not None:
             now = self.clock()
             adaptive.on_lookup(digests, len(blocks), now)
+            if adaptive.revoke_due:
+                adaptive.revoke_due = False
+                self._pool.revoke_adaptive()
         bs = self.block_size
         set_priority = self._pool.set_priority
         for i, b in enumerate(blocks):
@@ -318,12 +321,16 @@ class KVCacheManager:
                     set_priority(b, raised[0], raised[1])
                     b.adaptive_class = raised[2]
 
-    def _retention_of(self, prompt: Prompt, retention: KvCacheRetentionConfig | None,
-                      matched: int) -> RetentionOf:
-        """The retention of a prompt's new blocks by index."""
-        n, n_full = prompt.num_tokens, len(prompt.digests)
-        bs = self.block_size
-        return lambda i: self._new_block_retention(retention, i * bs, n, i, n_full, matched)
+    def _retentions(self, prompt: Prompt, retention: KvCacheRetentionConfig | None, matched: int,
+                    n_blocks: int) -> Retentions:
+        """The retention of a prompt's new full blocks (from the first unmatched one)."""
+        n_full = len(prompt.digests)
+        end = min(n_full, n_blocks)
+        if retention is None:
+            assert self._adaptive is not None
+            return self._adaptive.prompt_retention(n_full, matched, end)
+        n, bs = prompt.num_tokens, self.block_size
+        return [(*retention.block_retention(i * bs, (i + 1) * bs, n), -1) for i in range(matched, end)]
 
     def _new_block_retention(self, retention: KvCacheRetentionConfig | None, lo: int, prompt_len: int,
                              index: int, prompt_blocks: int, matched: int) -> tuple[int, float | None, int]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import heapq
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from eventbus.hashing import block_hash
 from eventbus.protocol import (
@@ -37,7 +37,7 @@ from inference_node.kv.prompt import Prompt
 from inference_node.kv.types import BlockCopy, KvCacheConfig, KvStats, OutOfBlocks
 
 #: Priority, retention duration and adaptive class of the i-th block of a prompt.
-RetentionOf = Callable[[int], tuple[int, float | None, int]]
+Retentions = Sequence[tuple[int, float | None, int]]
 
 _new_object = object.__new__  # a Block without the call to __init__ (store_prompt sets every slot)
 _HASH_OF = struct.Struct(">Q").unpack_from  # eventbus.hashing.block_hash, as a 1-tuple
@@ -152,11 +152,11 @@ class BlockPool:
         return slots[len(blocks):]
 
     def store_prompt(self, prompt: Prompt, blocks: list[Block], new_slots: list[int], n_blocks: int,
-                     retention_of: RetentionOf | None) -> None:
+                     retentions: Retentions | None) -> None:
         """Blocks for the rest of the prompt, appended to ``blocks`` (which holds the matched ones):
         full ones are cached (one chained ``stored`` event), the partial tail is private. Each new
-        full block but the last has one child (the next), on the GPU. ``retention_of``: the
-        retention of each new block (None: the default priority, no duration)."""
+        full block but the last has one child (the next), on the GPU. ``retentions``: the
+        retention of each new block, from the first unmatched one (None: the default priority, no duration)."""
         # NOTE: the core's busiest loop (``kvflow bench kv``): blocks are made without __init__
         # (see Block), with attributes and methods bound to locals.
         bs = self.block_size
@@ -180,8 +180,8 @@ class BlockPool:
             append_stored = stored.append
             hash_of = _HASH_OF
             for i in range(n_matched, end):
-                if retention_of is not None:
-                    prio, dur, cls = retention_of(i)
+                if retentions is not None:
+                    prio, dur, cls = retentions[i - n_matched]
                 d = digests[i]
                 h = hash_of(d)[0]
                 uid += 1
@@ -257,7 +257,7 @@ class BlockPool:
         GPU."""
         clocks = self._clocks
         self._tick = self._index[GPU].release(reversed(blocks), self._tick, self._free[GPU], clocks,
-                                              self._adaptive is not None)
+                                              None if self._adaptive is None else self._clock())
         if clocks:
             self._start_clocks()
 
@@ -265,7 +265,7 @@ class BlockPool:
         """One request less uses ``b`` (on either tier; a cached block)."""
         clocks = self._clocks
         self._tick = self._index[b.level].release((b,), self._tick, self._free[b.level], clocks,
-                                                  self._adaptive is not None)
+                                                  None if self._adaptive is None else self._clock())
         if clocks:
             self._start_clocks()
 
@@ -294,6 +294,28 @@ class BlockPool:
                 old = b.priority
                 self._index[b.level].rekey(b, DEFAULT_PRIORITY)
                 self._events.emit(Updated(block_hash=b.hash, priority=PriorityDiff(old=old, new=DEFAULT_PRIORITY)))
+
+    def revoke_adaptive(self) -> None:
+        """End every running retention duration the adaptive policy gave (its guard weakened
+        protection): those blocks fall back to the default priority now, as if their durations
+        ran out. Blocks a client's retention config set are left alone."""
+        heap = self.expiries
+        keep = []
+        for entry in heap:
+            _, _, version, b = entry
+            if version != b.expiry_version or b.digest is None:
+                continue
+            if b.adaptive_class < 0:
+                keep.append(entry)
+                continue
+            b.duration = None
+            b.expiry_version += 1
+            if b.priority != DEFAULT_PRIORITY:
+                old = b.priority
+                self._index[b.level].rekey(b, DEFAULT_PRIORITY)
+                self._events.emit(Updated(block_hash=b.hash, priority=PriorityDiff(old=old, new=DEFAULT_PRIORITY)))
+        heapq.heapify(keep)
+        self.expiries = keep
 
     # ------------------------------------------------------------------ queries
 
@@ -342,15 +364,15 @@ class BlockPool:
     def _evict_gpu(self, k: int, slots: list[int]) -> None:
         """Evict ``k`` GPU blocks (the free list is empty), appending their slots to ``slots``.
 
-        With a host tier or an adaptive policy, one victim at a time (:meth:`_take_gpu_slot`:
-        it may offload, and the policy hears of every eviction). Otherwise the victims come in
-        runs (:meth:`EvictionIndex.take`, which also updates their parents) and leave the cache
-        here, their removals in one event.
+        With a host tier, one victim at a time (:meth:`_take_gpu_slot`: it may offload).
+        Otherwise the victims come in runs (:meth:`EvictionIndex.take`, which also updates their
+        parents), the adaptive policy hears of each run, and they leave the cache here, their
+        removals in one event.
 
         Raises:
             OutOfBlocks: no evictable block is left (``slots`` holds those taken so far).
         """
-        if self._host_enabled or self._adaptive is not None:
+        if self._host_enabled:
             take_slot = self._take_gpu_slot
             try:
                 for _ in range(k):
@@ -360,6 +382,7 @@ class BlockPool:
             return
         index = self._index[GPU]
         cached = self.cached
+        adaptive = self._adaptive
         evictions = self._stats.evictions_by_priority
         append_slot = slots.append
         hashes: list[BlockHash] = []
@@ -369,6 +392,8 @@ class BlockPool:
                 run = index.take(k)
                 if not run:
                     raise OutOfBlocks("every GPU block is in use")
+                if adaptive is not None:
+                    adaptive.on_evict(run, self._clock())
                 for b in run:  # the rest of _remove(b), inlined (take did the parents)
                     del cached[b.digest]  # type: ignore[arg-type]
                     b.digest = None  # its expiry entries are stale for good
@@ -433,8 +458,7 @@ class BlockPool:
         assert b.children == 0 and b.ref == 0 and b.digest is not None
         del self.cached[b.digest]
         if self._adaptive is not None:
-            now = self._clock()
-            self._adaptive.on_evict(b.digest, b.adaptive_class, now - b.released_at, now)
+            self._adaptive.on_evict((b,), self._clock())
         evictions = self._stats.evictions_by_priority
         evictions[b.priority] = evictions.get(b.priority, 0) + 1
         p = b.parent

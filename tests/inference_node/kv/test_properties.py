@@ -13,6 +13,7 @@ Hypothesis drives both with the same random operations and checks after each ste
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
@@ -103,7 +104,7 @@ class Reference:
     def evict(self, d: bytes, now: float) -> None:
         b = self.blocks.pop(d)
         if self.adaptive is not None:
-            self.adaptive.on_evict(d, b.tag, now - b.released_at, now)
+            self.adaptive.on_evict([SimpleNamespace(digest=d, adaptive_class=b.tag, released_at=b.released_at)], now)
 
     def take_gpu(self, now: float) -> None:
         if self.free_gpu:
@@ -164,8 +165,15 @@ class Reference:
         for d in onboard:
             self.blocks[d].level = 0
             self.free_host += 1
+        adaptive_new = None
         if self.adaptive is not None:
             self.adaptive.on_lookup(prompt.digests, len(matched), now)
+            if self.adaptive.revoke_due:  # the guard weakened protection: the policy's durations end
+                self.adaptive.revoke_due = False
+                for b in self.blocks.values():
+                    if b.ref == 0 and b.expires_at is not None and b.tag >= 0:
+                        b.expires_at = b.duration = None
+                        b.priority = DEFAULT_PRIORITY
         for i, d in enumerate(matched):
             b = self.blocks[d]
             if ret is not None:
@@ -177,13 +185,19 @@ class Reference:
                         b.priority = raised[0]
                     b.duration, b.tag = raised[1], raised[2]
             b.hits += 1
+        if self.adaptive is not None and ret is None:  # after the reuses, as the core asks
+            n_full = len(prompt.digests)
+            adaptive_new = self.adaptive.prompt_retention(n_full, len(matched), min(n_full, n_blocks))
         entries: list[bytes | None] = list(matched)
         parent = matched[-1] if matched else None
         for i in range(len(matched), n_blocks):
             if i < len(prompt.digests):
                 d = prompt.digests[i]
-                pr, du, tag = self.retention_of(ret, i * BS, (i + 1) * BS, prompt.num_tokens, i,
-                                                len(prompt.digests), len(matched))
+                if adaptive_new is not None:
+                    pr, du, tag = adaptive_new[i - len(matched)]
+                else:
+                    pr, du, tag = self.retention_of(ret, i * BS, (i + 1) * BS, prompt.num_tokens, i,
+                                                    len(prompt.digests), len(matched))
                 self.blocks[d] = RBlock(parent, 0, pr, du, tag=tag)
                 entries.append(d)
                 parent = d
