@@ -13,7 +13,7 @@ Its defaults run exactly these:
 3. **The stretch**: KV-aware routing with the adaptive eviction policy on 8 nodes, against one
    pooled LRU cache of the same total size.
 4. **Hit rate against capacity** of one cache on the Mooncake trace: LRU, priority (the shared
-   first block pinned), adaptive, Belady's optimum.
+   first block pinned), adaptive, ARC, S3-FIFO (``kvflow.anchors``) and Belady's optimum.
 5. **Workload generators** (system-prompt-heavy, multi-turn, agentic, one-shot) × eviction policy.
 
 Outputs: a markdown report and two PNG plots in ``--out`` (default ``artifacts/sim``), and JSON
@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvflow.anchors import arc_hit_rate, s3fifo_hit_rate
 from kvflow.bench.harness import BenchResult
 from kvflow.sim.cluster import ROUTING, SimResult, pooled_belady, simulate
 from kvflow.sim.workloads import GENERATORS, SimRequest, mooncake
@@ -95,13 +96,17 @@ def run_sim(*, trace: str | None = None, nodes: int = 8, capacities: tuple[int, 
                                                          for c in capacities)
     res.goals.update({"kv_aware_vs_pooled_hit_rate": ">= 0.95", "kv_aware_max_over_mean_load": "<= 1.15"})
 
-    # 4. Hit rate against capacity, one cache.
-    curves: dict[str, list[float]] = {"lru": [], "priority": [], "adaptive": [], "belady": []}
+    # 4. Hit rate against capacity, one cache: the core's policies, ARC, S3-FIFO and Belady.
+    curves: dict[str, list[float]] = {"lru": [], "priority": [], "adaptive": [], "arc": [], "s3fifo": [],
+                                      "belady": []}
+    mc_keys = [r.keys for r in mc]
     for cap in curve_capacities:
         for ev in ("lru", "priority", "adaptive"):
             curves[ev].append(sim(mc, nodes=1, capacity=cap, routing="pooled", eviction=ev,
                                   workload="mooncake").hit_rate)
-        step(f"mooncake: belady / 1 x {cap}")
+        step(f"mooncake: arc, s3fifo, belady / 1 x {cap}")
+        curves["arc"].append(arc_hit_rate(mc_keys, cap).hit_rate)
+        curves["s3fifo"].append(s3fifo_hit_rate(mc_keys, cap).hit_rate)
         b = pooled_belady(mc, nodes=1, capacity=cap, workload="mooncake")
         rows.append(b)
         curves["belady"].append(b.hit_rate)
