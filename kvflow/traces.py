@@ -24,6 +24,7 @@ from inference_node.kv.adaptive import AdaptivePolicy
 from inference_node.kv.clock import ManualClock
 from inference_node.kv.manager import KvCacheConfig, KVCacheManager
 from inference_node.kv.prompt import Prompt
+from inference_node.kv.retention import KvCacheRetentionConfig, TokenRange
 
 TRACE_BLOCK_TOKENS = 512
 DEFAULT_TRACE_NAME = "mooncake_conversation_trace.jsonl"
@@ -96,19 +97,25 @@ class ReplayResult:
 
 def replay_core(trace: Sequence[TraceRequest], prompts: Sequence[Prompt], capacity: int, *,
                 block_size: int = TRACE_BLOCK_TOKENS, adaptive: AdaptivePolicy | None = None,
-                policy_name: str = "lru",
+                pin_first: bool = False, policy_name: str = "lru",
                 progress: Callable[[int], None] | None = None) -> ReplayResult:
-    """Replay on one cache of ``capacity`` blocks (events are drained and dropped)."""
+    """Replay on one cache of ``capacity`` blocks (events are drained and dropped).
+
+    ``pin_first``: every request comes with a client's retention config (its first block at
+    priority 100, the rest at 35) — plain priority eviction, the cost baseline of the adaptive
+    policy (``kvflow bench kv``'s ``ratios.adaptive_cost_vs_priority``)."""
     clock = ManualClock()
     mgr = KVCacheManager(KvCacheConfig(num_gpu_blocks=capacity, block_size=block_size, adaptive=adaptive,
                                        max_queued_events=1 << 30), clock=clock)
+    retention = KvCacheRetentionConfig((TokenRange(0, block_size, 100), TokenRange(block_size, None, 35))) \
+        if pin_first else None
     hits = total = 0
     for i, (req, prompt) in enumerate(zip(trace, prompts, strict=True)):
         clock.set(max(clock.now, req.timestamp_s))
         if len(prompt.digests) > capacity:  # cannot fit at all: count as a miss, skip
             total += len(prompt.digests)
             continue
-        alloc = mgr.allocate("r", prompt)
+        alloc = mgr.allocate("r", prompt, retention)
         hits += alloc.num_cached_tokens // block_size
         total += len(prompt.digests)
         mgr.free("r")

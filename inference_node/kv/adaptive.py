@@ -127,6 +127,8 @@ class AdaptivePolicy:
     window: int = 4000
     strength_step: float = 0.1
     down_factor: float = 2.0
+    #: Observations (reuses, ghosts) between two computations of the class table.
+    table_every: int = 512
     #: No protection lasts longer than this many horizons (LRU's residence time, measured).
     max_horizons: float = 4.0
 
@@ -183,8 +185,8 @@ class AdaptiveLearner:
         return (s.gap_sum + w * self.policy.prior_gap_s) / (s.reused + w)
 
     def _table(self) -> list[tuple[int, float | None]]:
-        """(priority, duration) per class, recomputed after every 64 observations."""
-        if self._ranks is not None and self._dirty < 64:
+        """(priority, duration) per class, recomputed after every ``table_every`` observations."""
+        if self._ranks is not None and self._dirty < self.policy.table_every:
             return self._ranks
         pol = self.policy
         s = self._strength
