@@ -14,6 +14,7 @@ FRESH_HEAD = BlockContext(index=0, prompt_blocks=10, matched_blocks=0, is_decode
 
 
 def policy(**kw) -> AdaptivePolicy:
+    kw.setdefault("table_every", 1)  # the class table follows every observation at once
     return AdaptivePolicy(ghost_capacity=1000, shadow_capacity=1000, **kw)
 
 
