@@ -105,7 +105,7 @@ class AdaptivePolicy:
     :class:`AdaptiveLearner`, one per cache. The defaults were chosen on the Mooncake conversation
     trace and the generated families named in docs/benchmarks.md ("Adaptive eviction")."""
 
-    junk_probability: float = 0.04
+    junk_probability: float = 0.1
     junk_priority: int = 5
     min_priority: int = 40
     max_priority: int = 90

@@ -185,7 +185,8 @@ class EvictionIndex:
     # ---------------------------------------------------------------- victims
 
     def take(self, k: int) -> list[Block]:
-        """Up to ``k`` victims that leave the cache, in eviction order, as a run of one priority;
+        """Up to ``k`` victims that leave the cache, in eviction order (a run of one priority from
+        a list; when a heap is involved, victims one by one, possibly of several priorities);
         empty when nothing is evictable.
 
         Each victim's parent loses a cached child here (``children``, and ``gpu_children`` on the
@@ -201,12 +202,15 @@ class EvictionIndex:
             return []
         p = (mask & -mask).bit_length() - 1
         run: list[Block] = []
-        if self._heaps[p]:
-            b = self.pop()
-            if b is None:
-                return run
-            run.append(b)
-            self._leave(b)
+        heap = self._heaps[p]
+        if heap:  # the fronts of the list and the heap compete: one victim at a time, while it lasts
+            pop, leave = self.pop, self._leave
+            while len(run) < k and heap:
+                b = pop()
+                if b is None:
+                    break
+                run.append(b)
+                leave(b)
             return run
         lst = self._lists[p]
         gpu = self._gpu

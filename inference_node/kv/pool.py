@@ -349,9 +349,14 @@ class BlockPool:
     # ------------------------------------------------------------------ internals
 
     def _start_clocks(self) -> None:
-        """Start the clocks of the blocks the last release made evictable (``_clocks``)."""
+        """Start the clocks of the blocks the last release made evictable (``_clocks``: each has a
+        duration); :meth:`_start_clock`, inlined."""
+        now = self._clock()
+        push, heap = heapq.heappush, self.expiries
         for b in self._clocks:
-            self._start_clock(b)
+            b.released_at = now
+            b.expiry_version += 1
+            push(heap, (now + b.duration, b.uid, b.expiry_version, b))  # type: ignore[operator]
         self._clocks.clear()
 
     def _start_clock(self, b: Block) -> None:
@@ -394,13 +399,16 @@ class BlockPool:
                     raise OutOfBlocks("every GPU block is in use")
                 if adaptive is not None:
                     adaptive.on_evict(run, self._clock())
+                p = run[0].priority
                 for b in run:  # the rest of _remove(b), inlined (take did the parents)
                     del cached[b.digest]  # type: ignore[arg-type]
                     b.digest = None  # its expiry entries are stale for good
                     append_hash(b.hash)
                     append_slot(b.slot)
+                    if b.priority != p:  # a run from a heap may mix priorities
+                        evictions[b.priority] = evictions.get(b.priority, 0) + 1
+                        evictions[p] = evictions.get(p, 0) - 1
                 n = len(run)
-                p = run[0].priority
                 evictions[p] = evictions.get(p, 0) + n
                 k -= n
         finally:
