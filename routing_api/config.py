@@ -45,6 +45,9 @@ class RouterSettings(BaseSettings):
     busy_fraction: float = Field(default=W.busy_fraction, gt=0,
                                  description="Load share of GPU blocks that filters a node out.")
     temperature: float = Field(default=W.temperature, ge=0, description="Softmax sampling temperature (0: argmin).")
+    load_bound: float = Field(default=W.load_bound, ge=0, description=(
+        "Bounded loads: a node whose load (blocks in hand) exceeds (1 + this) x the fleet's mean, the request "
+        "counted, is not chosen; its prefixes go to a second node (0: off, the cost alone decides)."))
     nodes_cache_s: float = Field(default=0.5, ge=0, description="How long the nodes table is cached.")
     suspect_s: float = Field(default=10.0, ge=0, description="How long a node that failed a request is avoided.")
     account_finished: bool = Field(default=True, description=(

@@ -54,6 +54,10 @@ class RoutingWeights:
     #: A node whose load exceeds this share of its GPU blocks is filtered out first.
     busy_fraction: float = 0.95
     temperature: float = 0.0
+    #: Bounded loads (ε of Mirrokni, Thorup & Zadimoghaddam 2018): a node whose load exceeds
+    #: (1 + ε) × the fleet's mean load, this request counted, is not eligible (:func:`within_bound`);
+    #: 0: off (the cost alone decides, as before).
+    load_bound: float = 0.75
 
 
 #: The one home of the weights' defaults (``RouterSettings`` takes its defaults from here).
@@ -93,6 +97,10 @@ class Candidate:
     decode_blocks: float = 0.0
     cost: float = math.inf
     busy: bool = False
+    #: its load is over the load bound (:func:`within_bound`): not chosen
+    over_bound: bool = False
+    #: requests in hand: running and queued (heartbeat) plus in flight from this router
+    requests: int = 0
     reason: str = ""
     #: the node's block size, which ``gpu_blocks``, ``host_blocks`` and ``prompt_blocks`` are in
     #: (``cached_credit``, ``prefill_blocks``, ``decode_blocks`` and ``cost`` are in the decision's)
@@ -124,7 +132,7 @@ class Decision:
         if self.chosen is None:
             return []
         others = [c for c in self.candidates if c.eligible and c is not self.chosen]
-        others.sort(key=lambda c: (c.busy, c.cost, c.decode_blocks, c.node_id))
+        others.sort(key=lambda c: (c.busy, c.over_bound, c.cost, c.decode_blocks, c.node_id))
         return [self.chosen, *others]
 
 
@@ -293,10 +301,24 @@ def decide(total: int, nodes: Sequence[NodeView], matches: Mapping[NodeId, Prefi
     eligible = [c for c in cands if c.eligible]
     if not eligible:
         return Decision(None, cands, total, "no live node")
+    chosen, pool = _choose(eligible, ref, w, rng)
+    chosen.reason = _explain(chosen, pool, block_size if mixed else 0)
+    return Decision(chosen, cands, total, chosen.reason)
+
+
+def _choose(eligible: list[Candidate], ref: float, w: RoutingWeights,
+            rng: random.Random | None) -> tuple[Candidate, list[Candidate]]:
+    """The choice among the eligible candidates, and the pool it was made from: busy nodes out
+    (unless all are), then — with ``load_bound`` — the nodes over the bound out, the lowest cost
+    wins (sampled with ``temperature``; with the bound, ties at random)."""
+    if w.load_bound > 0:
+        bounded_loads(eligible, w)
     pool = [c for c in eligible if not c.busy] or eligible
     for c in eligible:
         if c.busy and c not in pool:
             c.reason = c.reason or "over the load threshold"
+    if w.load_bound > 0 and len(pool) > 1:
+        pool = within_bound(pool, load_cap([c.decode_blocks for c in eligible], ref, w.load_bound))
     pool.sort(key=lambda c: (c.cost, c.decode_blocks, c.node_id))
     chosen = pool[0]
     if w.temperature > 0 and len(pool) > 1:
@@ -304,8 +326,78 @@ def decide(total: int, nodes: Sequence[NodeView], matches: Mapping[NodeId, Prefi
         best = pool[0].cost
         weights = [math.exp(-(c.cost - best) / w.temperature) for c in pool]
         chosen = r.choices(pool, weights=weights, k=1)[0]
-    chosen.reason = _explain(chosen, pool, block_size if mixed else 0)
-    return Decision(chosen, cands, total, chosen.reason)
+    elif w.load_bound > 0 and rng is not None and len(pool) > 1:
+        chosen = _any_of_the_best(pool, rng)
+    return chosen, pool
+
+
+def bounded_loads(cands: Sequence[Candidate], w: RoutingWeights) -> None:
+    """Each candidate's load for the bound and the cost: its blocks in hand (``decode_blocks``), but
+    each request in hand counted at least at the fleet's mean blocks per request in hand.
+
+    Blocks alone make a node serving many short prompts look light: it attracts every new prompt,
+    and its requests are the ones with the most to prefill (the short prompts nothing else shares),
+    while a node under a hot prefix holds long prompts that it barely computes. Requests alone let
+    long prompts pile up behind one another. A node is as loaded as the larger of the two, in blocks.
+    ``cost`` is updated with the load.
+    """
+    blocks = sum(c.decode_blocks for c in cands)
+    requests = sum(c.requests for c in cands)
+    if not requests:
+        return
+    per_request = blocks / requests
+    for c in cands:
+        load = max(c.decode_blocks, c.requests * per_request)
+        if load != c.decode_blocks:
+            c.decode_blocks = load
+            c.cost = w.overlap_weight * c.prefill_blocks + load
+
+
+def load_cap(loads: Sequence[float], request: float, bound: float) -> float:
+    """The load bound: ``(1 + bound)`` × the fleet's mean load with the request counted.
+
+    Consistent hashing with bounded loads (Mirrokni, Thorup & Zadimoghaddam, SODA 2018) gives each
+    bin a capacity of ``⌈(1 + ε) m / n⌉`` for ``m`` balls (the new one counted) in ``n`` bins; a full
+    bin takes no more, and the ball goes on to the next. Here a request weighs its prompt blocks.
+
+    Args:
+        loads: every eligible node's load (``decode_blocks``: the blocks it has in hand, in units).
+        request: the request's blocks (what the router's in-flight count of its node takes on).
+        bound: ε > 0.
+    """
+    return (1 + bound) * (sum(loads) + request) / len(loads)
+
+
+def within_bound(pool: Sequence[Candidate], cap: float) -> list[Candidate]:
+    """The candidates of ``pool`` not over the load bound: whose load is at most ``cap``.
+
+    A node over it takes no more requests, whatever it holds: a prefix it holds goes to the best
+    node within the bound, which then holds it too, so a hot prefix ends up on as many nodes as its
+    load needs. A node within the bound may take any request, however long (requests are not unit
+    balls: a long prompt would otherwise find no node but an idle one), so a node's load exceeds
+    ``cap`` by at most the request it took last — as the bound's rounding lets a bin exceed
+    ``(1 + ε) m / n`` by less than one ball. If every node is over (possible only when the nodes
+    over the load threshold were filtered out first), the least loaded ones remain.
+    Candidates left out are marked ``over_bound``.
+    """
+    ok = [c for c in pool if c.decode_blocks <= cap]
+    if not ok:
+        least = min(c.decode_blocks for c in pool)
+        ok = [c for c in pool if c.decode_blocks == least]
+    within = {id(c) for c in ok}
+    for c in pool:
+        if id(c) not in within:
+            c.over_bound = True
+            c.reason = c.reason or f"over the load bound: {c.decode_blocks:.0f} blocks of load > {cap:.1f}"
+    return ok
+
+
+def _any_of_the_best(pool: list[Candidate], rng: random.Random) -> Candidate:
+    """One of the candidates of the lowest cost and load, at random (``pool`` sorted): equal nodes share
+    what none of them holds instead of the first by id taking it all."""
+    best = pool[0]
+    tied = [c for c in pool if c.cost == best.cost and c.decode_blocks == best.decode_blocks]
+    return tied[0] if len(tied) == 1 else rng.choice(tied)
 
 
 def _score(c: Candidate, n: NodeView, m: PrefixMatch, ref: float, scale: float, w: RoutingWeights) -> None:
@@ -317,6 +409,7 @@ def _score(c: Candidate, n: NodeView, m: PrefixMatch, ref: float, scale: float, 
         c.reason = "resyncing: cached blocks not trusted"
     c.prefill_blocks = ref - c.cached_credit
     c.decode_blocks = (n.active_blocks + n.inflight_blocks) * scale + w.queued_weight_blocks * n.queued_requests
+    c.requests = n.active_requests + n.inflight_requests + n.queued_requests
     c.cost = w.overlap_weight * c.prefill_blocks + c.decode_blocks
     c.busy = n.capacity_gpu > 0 and n.active_blocks + n.inflight_blocks > w.busy_fraction * n.capacity_gpu
 

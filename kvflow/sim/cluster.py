@@ -1,31 +1,56 @@
-"""The cluster simulator: the real KV core on N nodes, a router, and a queueing model of load.
+"""The cluster simulator: the real KV core on N nodes, a router, and time.
 
-Each node runs :class:`~inference_node.kv.manager.KVCacheManager` (no torch) at the request's
-arrival time (an injected clock): allocate the prompt — reusing its cached prefix — then free it.
-A node serves requests one after another; a request's service time is its uncached prompt tokens
-times ``prefill_s_per_token`` plus its output tokens times ``decode_s_per_token``, so routing many
-requests to one node makes it busy, and "load" means what it has in hand when a request arrives:
-requests and their blocks not finished yet.
+**Caches.** Each node runs :class:`~inference_node.kv.manager.KVCacheManager` (no torch) on an
+injected clock set to the request's arrival: allocate the prompt — reusing its cached prefix — then
+free it. A request's *hit* is the prefix its node holds when it is routed; the blocks it computes are
+cached at once (a request that arrives while an earlier one is still being prefilled finds its
+blocks: the simulator does not model a prefix that is cached but not computed yet).
 
-Routing policies:
+**Time.** Each node is one FIFO server (requests wait in arrival order, one is served at a time).
+A request's service time is its *uncached* prompt tokens × ``prefill_s_per_token`` (plus its output
+tokens × ``decode_s_per_token``, 0 by default: the simulator judges prefill). So:
+
+* ``start = max(arrival, the node's previous request's finish)``; the wait is ``start − arrival``;
+* its time to first token is ``TTFT = wait + uncached tokens × prefill_s_per_token``;
+* a node's *load* when a request arrives is what it has in hand: the requests (and their prompt
+  blocks) routed to it that have not finished — the one in service and those waiting. That is what
+  a router knows online (its own in-flight counts); the queue length a node reports (llm-d's
+  queue scorer) is the waiting ones, and its KV usage (vLLM's ``kv_cache_usage_perc``) the blocks
+  of the one in service over its capacity.
+
+Engines batch prefills (chunked prefill) rather than serve one at a time; a FIFO server has the same
+throughput and the same order, and keeps the comparison between routers simple and exact.
+
+**Pooled** is the ceiling: one cache of N × the capacity that every request hits, served by N
+servers from one FIFO queue (a request starts on the first server free): the best hit rate and the
+best queueing a fleet of N could have.
+
+Routing policies (:data:`ROUTING`):
 
 * ``random``, ``round_robin``;
-* ``least_loaded``: the fewest blocks in hand;
-* ``kv_aware``: the longest cached prefix (ties: least loaded) — cache only;
-* ``kv_aware_load``: the router's own scoring (:func:`routing_api.scoring.decide`, Dynamo's cost
-  with kvflow's credits) over the nodes' true prefixes and loads.
+* ``least_loaded``: the fewest prompt blocks in hand (ties: the earliest free, then the index);
+* ``kv_aware``: the longest true cached prefix (ties: least loaded) — cache only;
+* ``dynamo_cost``: the router's cost (:func:`routing_api.scoring.decide`, Dynamo's
+  ``overlap × prefill blocks + load blocks`` with kvflow's credits) with the load bound *off*: the
+  router's decisions before bounded loads;
+* ``kv_aware_load``: kvflow's router, :func:`routing_api.scoring.decide` exactly, with the router's
+  default weights (bounded loads on) over the nodes' true prefixes and loads;
+* ``sglang`` and ``llm_d``: the anchors of :mod:`kvflow.sim.router_anchors`, modelled on SGLang's
+  cache-aware router and llm-d's scorer (approximate indexes built from the requests they routed).
 
-``pooled`` is the ceiling: one cache of N × the capacity that every request hits.
 Eviction policies: ``lru`` (no hints), ``priority`` (the clients' retention configs),
 ``adaptive`` (learned), and ``belady`` (offline optimum; pooled only).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import random
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from eventbus.protocol import NodeId
 from inference_node.kv.adaptive import AdaptivePolicy
@@ -34,10 +59,19 @@ from inference_node.kv.manager import KvCacheConfig, KVCacheManager, OutOfBlocks
 from inference_node.kv.prompt import Prompt
 from kvflow.sim.workloads import BLOCK_TOKENS, SimRequest
 from kvflow.traces import belady_hit_rate
-from routing_api.scoring import NodeView, PrefixMatch, RoutingWeights, decide
+from routing_api.scoring import DEFAULT_WEIGHTS, NodeView, PrefixMatch, RoutingWeights, decide
 
-ROUTING = ("random", "round_robin", "least_loaded", "kv_aware", "kv_aware_load")
+ROUTING = ("random", "round_robin", "least_loaded", "kv_aware", "dynamo_cost", "sglang", "llm_d", "kv_aware_load")
 EVICTION = ("lru", "priority", "adaptive")
+
+
+def percentile(xs: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0–100) by the nearest rank; 0 for no values."""
+    if not xs:
+        return 0.0
+    s = sorted(xs)
+    rank = max(1, -(-len(s) * q // 100))  # ceil(n q / 100), at least 1
+    return float(s[int(rank) - 1])
 
 
 @dataclass
@@ -52,6 +86,8 @@ class SimResult:
     requests_per_node: list[int] = field(default_factory=list)
     prefill_tokens_per_node: list[int] = field(default_factory=list)
     mean_queue_s: float = 0.0
+    #: every request's time to first token (wait + its own prefill), in arrival order
+    ttft_s: list[float] = field(default_factory=list, repr=False)
 
     @property
     def hit_rate(self) -> float:
@@ -70,99 +106,211 @@ class SimResult:
     def max_over_mean_prefill(self) -> float:
         return self._imbalance(self.prefill_tokens_per_node)
 
+    @property
+    def ttft_p50(self) -> float:
+        return percentile(self.ttft_s, 50)
+
+    @property
+    def ttft_p99(self) -> float:
+        return percentile(self.ttft_s, 99)
+
     def as_dict(self) -> dict[str, object]:
         return {"workload": self.workload, "nodes": self.nodes, "capacity_per_node": self.capacity_per_node,
                 "routing": self.routing, "eviction": self.eviction, "hit_rate": round(self.hit_rate, 5),
                 "max_over_mean_requests": round(self.max_over_mean_requests, 4),
                 "max_over_mean_prefill_tokens": round(self.max_over_mean_prefill, 4),
-                "mean_queue_s": round(self.mean_queue_s, 3),
+                "mean_queue_s": round(self.mean_queue_s, 4), "ttft_p50_s": round(self.ttft_p50, 4),
+                "ttft_p99_s": round(self.ttft_p99, 4),
                 "requests_per_node": self.requests_per_node, "prefill_tokens_per_node": self.prefill_tokens_per_node}
 
 
 @dataclass
-class _Node:
+class SimNode:
+    """One node: its cache, its prefill queue (FIFO) and the requests it has in hand."""
+
     core: KVCacheManager
     clock: ManualClock
-    busy_until: float = 0.0
-    inflight: list[tuple[float, int]] = field(default_factory=list)  # (finish time, blocks) heap
+    capacity: int
+    #: (prefill end, prompt blocks) of the requests whose prefill has not ended, in order: the first
+    #: is being prefilled, the others wait
+    prefills: deque[tuple[float, int]] = field(default_factory=deque)
+    #: (last token, prompt blocks) of every request not finished (prefilling, waiting or decoding)
+    inflight_heap: list[tuple[float, int]] = field(default_factory=list)
     inflight_blocks: int = 0
+    waiting_blocks: int = 0
+    busy_until: float = 0.0
     requests: int = 0
     prefill_tokens: int = 0
 
     def settle(self, now: float) -> None:
-        while self.inflight and self.inflight[0][0] <= now:
-            _, blocks = heapq.heappop(self.inflight)
-            self.inflight_blocks -= blocks
+        q = self.prefills
+        while q and q[0][0] <= now:
+            q.popleft()
+            if q:
+                self.waiting_blocks -= q[0][1]  # the next one is being prefilled now
+        h = self.inflight_heap
+        while h and h[0][0] <= now:
+            self.inflight_blocks -= heapq.heappop(h)[1]
+
+    def admit(self, arrival: float, blocks: int, prefill_s: float, decode_s: float) -> float:
+        """Queue a request: returns when its prefill starts."""
+        start = max(arrival, self.busy_until)
+        self.busy_until = start + prefill_s
+        if self.prefills:
+            self.waiting_blocks += blocks
+        self.prefills.append((self.busy_until, blocks))
+        heapq.heappush(self.inflight_heap, (self.busy_until + decode_s, blocks))
+        self.inflight_blocks += blocks
+        return start
+
+    @property
+    def inflight(self) -> int:
+        """Requests in hand: being prefilled, waiting, or decoding."""
+        return len(self.inflight_heap)
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for their prefill (a node's reported queue length)."""
+        return max(0, len(self.prefills) - 1)
+
+    @property
+    def kv_usage(self) -> float:
+        """The share of the node's blocks its running requests hold (vLLM's KV usage; waiting ones
+        hold none)."""
+        return (self.inflight_blocks - self.waiting_blocks) / self.capacity if self.capacity else 0.0
+
+
+class Policy(Protocol):
+    """A router: chooses a node for each request, and may learn from what it routed."""
+
+    def choose(self, req: SimRequest, prompt: Prompt, nodes: Sequence[SimNode]) -> int: ...
+
+
+class _Random:
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+
+    def choose(self, req: SimRequest, prompt: Prompt, nodes: Sequence[SimNode]) -> int:
+        return self.rng.randrange(len(nodes))
+
+
+class _RoundRobin:
+    def __init__(self) -> None:
+        self.next = 0
+
+    def choose(self, req: SimRequest, prompt: Prompt, nodes: Sequence[SimNode]) -> int:
+        k, self.next = self.next % len(nodes), self.next + 1
+        return k
+
+
+def _least_loaded(nodes: Sequence[SimNode]) -> int:
+    return min(range(len(nodes)), key=lambda j: (nodes[j].inflight_blocks, nodes[j].busy_until, j))
+
+
+class _LeastLoaded:
+    def choose(self, req: SimRequest, prompt: Prompt, nodes: Sequence[SimNode]) -> int:
+        return _least_loaded(nodes)
+
+
+class _KvAware:
+    def choose(self, req: SimRequest, prompt: Prompt, nodes: Sequence[SimNode]) -> int:
+        matches = [sum(nd.core.match_prefix(prompt)) for nd in nodes]
+        return min(range(len(nodes)), key=lambda j: (-matches[j], nodes[j].inflight_blocks, j))
+
+
+class RouterPolicy:
+    """kvflow's router: :func:`routing_api.scoring.decide` over the nodes' true prefixes and their
+    loads as the router knows them: its own count of the requests (and their prompt blocks) in hand
+    on each node — exact, the router being the only one — and the queue each node reports (its
+    heartbeat's ``queued_requests``: the requests waiting for their prefill), without delay."""
+
+    def __init__(self, weights: RoutingWeights, rng: random.Random) -> None:
+        self.weights, self.rng = weights, rng
+        self.ids: list[NodeId] = []
+
+    def choose(self, req: SimRequest, prompt: Prompt, nodes: Sequence[SimNode]) -> int:
+        if len(self.ids) != len(nodes):
+            self.ids = [NodeId(str(j)) for j in range(len(nodes))]
+        views: list[NodeView] = []
+        pm: dict[NodeId, PrefixMatch] = {}
+        for nid, nd in zip(self.ids, nodes, strict=True):
+            gpu, host = nd.core.match_prefix(prompt)
+            pm[nid] = PrefixMatch(gpu, host)
+            views.append(NodeView(nid, "", "live", nd.capacity, inflight_requests=nd.inflight,
+                                  inflight_blocks=nd.inflight_blocks, queued_requests=nd.waiting))
+        chosen = decide(len(prompt.digests), views, pm, self.weights, self.rng).chosen
+        assert chosen is not None
+        return int(chosen.node_id)
+
+
+def make_policy(routing: str, *, nodes: int, capacity: int, weights: RoutingWeights | None,
+                rng: random.Random) -> Policy:
+    """The policy named ``routing`` (one of :data:`ROUTING`) for ``nodes`` nodes of ``capacity`` blocks."""
+    from kvflow.sim import router_anchors as anchors
+
+    w = weights or DEFAULT_WEIGHTS
+    policies: dict[str, Callable[[], Policy]] = {
+        "random": lambda: _Random(rng),
+        "round_robin": _RoundRobin,
+        "least_loaded": _LeastLoaded,
+        "kv_aware": _KvAware,
+        "dynamo_cost": lambda: RouterPolicy(dataclasses.replace(w, load_bound=0.0), rng),
+        "kv_aware_load": lambda: RouterPolicy(w, rng),
+        "sglang": lambda: anchors.SGLangCacheAware(nodes),
+        "llm_d": lambda: anchors.LlmdScorer(nodes, capacity, rng),
+    }
+    if routing not in policies:
+        raise ValueError(f"routing must be one of {(*ROUTING, 'pooled')}")
+    return policies[routing]()
 
 
 def _prompt(req: SimRequest) -> Prompt:
     return Prompt.from_block_keys(req.keys, BLOCK_TOKENS)
 
 
+def _core(capacity: int, eviction: str) -> tuple[KVCacheManager, ManualClock]:
+    clock = ManualClock()
+    core = KVCacheManager(KvCacheConfig(num_gpu_blocks=capacity, block_size=BLOCK_TOKENS, max_queued_events=1 << 30,
+                                        adaptive=AdaptivePolicy() if eviction == "adaptive" else None), clock=clock)
+    return core, clock
+
+
 def simulate(requests: Sequence[SimRequest], *, nodes: int, capacity: int, routing: str, eviction: str,
              workload: str = "", prefill_s_per_token: float = 2e-5, decode_s_per_token: float = 0.0,
-             weights: RoutingWeights | None = None, seed: int = 0,
+             weights: RoutingWeights | None = None, seed: int = 0, policy: Policy | None = None,
              progress: Callable[[int], None] | None = None) -> SimResult:
-    """Run a workload on ``nodes`` caches of ``capacity`` blocks each (``pooled``: one of N×)."""
+    """Run a workload on ``nodes`` caches of ``capacity`` blocks each (``pooled``: one of N×, N servers).
+
+    ``weights`` are the router's for ``kv_aware_load`` and ``dynamo_cost`` (default: the router's
+    defaults); ``policy`` replaces the named one (experiments)."""
     if eviction not in EVICTION:
-        raise ValueError(f"eviction must be one of {EVICTION} (belady: see pooled_belady)")
+        raise ValueError(f"eviction must be one of {(*EVICTION, 'belady')} (belady: see pooled_belady)")
     pooled = routing == "pooled"
-    n = 1 if pooled else nodes
-    cap = capacity * nodes if pooled else capacity
-    ns = []
-    for _ in range(n):
-        clock = ManualClock()
-        core = KVCacheManager(KvCacheConfig(num_gpu_blocks=cap, block_size=BLOCK_TOKENS, max_queued_events=1 << 30,
-                                            adaptive=AdaptivePolicy() if eviction == "adaptive" else None),
-                              clock=clock)
-        ns.append(_Node(core, clock))
-    w = weights or RoutingWeights()
     rng = random.Random(seed)
+    if not pooled and policy is None:
+        policy = make_policy(routing, nodes=nodes, capacity=capacity, weights=weights, rng=rng)
+    cap = capacity * nodes if pooled else capacity
+    ns = [SimNode(*_core(cap, eviction), capacity=cap) for _ in range(1 if pooled else nodes)]
+    servers = [(0.0, j) for j in range(nodes)]  # pooled: (free at, server) of its N servers
+    per_server = [[0, 0] for _ in range(nodes)]  # pooled: requests, prefill tokens
     res = SimResult(workload, nodes, capacity, routing, eviction)
-    rr = 0
     queue_total = 0.0
     for i, req in enumerate(requests):
         prompt = _prompt(req)
         blocks = len(prompt.digests)
         for nd in ns:
             nd.settle(req.t)
-        if pooled or n == 1:
-            k = 0
-        elif routing == "random":
-            k = rng.randrange(n)
-        elif routing == "round_robin":
-            k, rr = rr % n, rr + 1
-        elif routing == "least_loaded":
-            k = min(range(n), key=lambda j: (ns[j].inflight_blocks, ns[j].busy_until, j))
-        elif routing == "kv_aware":
-            matches = [sum(ns[j].core.match_prefix(prompt)) for j in range(n)]
-            k = min(range(n), key=lambda j: (-matches[j], ns[j].inflight_blocks, j))
-        elif routing == "kv_aware_load":
-            views: list[NodeView] = []
-            pm: dict[NodeId, PrefixMatch] = {}
-            for j, nd in enumerate(ns):
-                gpu, host = nd.core.match_prefix(prompt)
-                pm[NodeId(str(j))] = PrefixMatch(gpu, host)
-                views.append(NodeView(NodeId(str(j)), "", "live", cap, active_blocks=nd.inflight_blocks,
-                                      active_requests=len(nd.inflight)))
-            chosen = decide(blocks, views, pm, w, rng).chosen
-            assert chosen is not None
-            k = int(chosen.node_id)
-        else:
-            raise ValueError(f"routing must be one of {(*ROUTING, 'pooled')}")
+        k = 0 if pooled or policy is None else policy.choose(req, prompt, ns)
         nd = ns[k]
         nd.clock.set(max(nd.clock.now, req.t))
-        retention = req.retention if eviction == "priority" else None
-        if blocks > cap:
-            res.total_blocks += blocks
-            continue
-        try:
-            alloc = nd.core.allocate("r", prompt, retention)
-        except OutOfBlocks:  # cannot happen: every request is freed at once
-            res.total_blocks += blocks
-            continue
-        hit = alloc.num_cached_tokens // BLOCK_TOKENS
-        nd.core.free("r")
+        hit = 0
+        if blocks <= cap:
+            try:
+                alloc = nd.core.allocate("r", prompt, req.retention if eviction == "priority" else None)
+                hit = alloc.num_cached_tokens // BLOCK_TOKENS
+                nd.core.free("r")
+            except OutOfBlocks:  # cannot happen: every request is freed at once
+                pass
         if i % 512 == 0:
             nd.core.drain_events()
             if progress:
@@ -170,15 +318,25 @@ def simulate(requests: Sequence[SimRequest], *, nodes: int, capacity: int, routi
         res.hit_blocks += hit
         res.total_blocks += blocks
         uncached = (blocks - hit) * BLOCK_TOKENS
-        start = max(req.t, nd.busy_until)
+        prefill = uncached * prefill_s_per_token
+        if pooled:
+            free_at, j = heapq.heappop(servers)
+            start = max(req.t, free_at)
+            heapq.heappush(servers, (start + prefill, j))
+            per_server[j][0] += 1
+            per_server[j][1] += uncached
+        else:
+            start = nd.admit(req.t, blocks, prefill, req.output_tokens * decode_s_per_token)
+            nd.requests += 1
+            nd.prefill_tokens += uncached
         queue_total += start - req.t
-        nd.busy_until = start + uncached * prefill_s_per_token + req.output_tokens * decode_s_per_token
-        heapq.heappush(nd.inflight, (nd.busy_until, blocks))
-        nd.inflight_blocks += blocks
-        nd.requests += 1
-        nd.prefill_tokens += uncached
-    res.requests_per_node = [nd.requests for nd in ns]
-    res.prefill_tokens_per_node = [nd.prefill_tokens for nd in ns]
+        res.ttft_s.append(start - req.t + prefill)
+    if pooled:
+        res.requests_per_node = [s[0] for s in per_server]
+        res.prefill_tokens_per_node = [s[1] for s in per_server]
+    else:
+        res.requests_per_node = [nd.requests for nd in ns]
+        res.prefill_tokens_per_node = [nd.prefill_tokens for nd in ns]
     res.mean_queue_s = queue_total / max(1, len(requests))
     return res
 

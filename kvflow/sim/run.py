@@ -5,11 +5,13 @@ Its defaults run exactly these:
 1. **Priority eviction on a system-prompt-heavy workload** (one node, 128 blocks of 512 tokens):
    clients pin their system prompts at priority 100; LRU has no hints.
    ``ratios.priority_vs_lru_hit_rate_system_prompt`` (goal ≥ 1.2).
-2. **Routing on the Mooncake trace**: 8 nodes at 500 / 1,000 / 2,000 blocks each; random,
-   round-robin, least-loaded, KV-aware (cache only) and KV-aware with load (the router's own
-   scoring), against one pooled cache of 8 × the capacity. At 1,000 blocks:
-   ``ratios.kv_aware_vs_pooled_hit_rate`` (goal ≥ 0.95), ``ratios.round_robin_vs_pooled_hit_rate``,
-   ``figures.kv_aware_max_over_mean_load`` (the larger of requests and prefill tokens; goal ≤ 1.15).
+2. **Routing on the Mooncake trace and every generated family** (:mod:`kvflow.sim.routing`): 8
+   nodes at 500 / 1,000 / 2,000 blocks each; random, round-robin, least-loaded, KV-aware (cache
+   only), Dynamo's cost, the SGLang and llm-d anchors and kvflow's router (bounded loads), against
+   one pooled cache of 8 × the capacity; hit rate, balance and time to first token. Goals over
+   every trace and capacity: ``ratios.kv_aware_vs_pooled_hit_rate_min`` ≥ 0.95,
+   ``figures.kv_aware_max_over_mean_load_worst_capacity`` ≤ 1.15, TTFT p99 ≤ round-robin's and
+   least-loaded's; at 1,000 blocks on the trace, as before, ``ratios.kv_aware_vs_pooled_hit_rate``.
 3. **The stretch**: KV-aware routing with the adaptive eviction policy on 8 nodes, against one
    pooled LRU cache of the same total size.
 4. **Hit rate against capacity** of one cache on the Mooncake trace: LRU, priority (the shared
@@ -28,15 +30,18 @@ from typing import Any
 
 from kvflow.anchors import arc_hit_rate, s3fifo_hit_rate
 from kvflow.bench.harness import BenchResult
-from kvflow.sim.cluster import ROUTING, SimResult, pooled_belady, simulate
+from kvflow.sim.cluster import SimResult, pooled_belady, simulate
+from kvflow.sim.routing import (
+    PREFILL_S_PER_TOKEN,
+    SIM_WEIGHTS,
+    RoutingStudy,
+    plot_load_balance,
+    routing_figures,
+    routing_report,
+    run_routing,
+    stretch,
+)
 from kvflow.sim.workloads import GENERATORS, SimRequest, mooncake
-from routing_api.scoring import RoutingWeights
-
-#: The router's weights for these experiments: a cached block is worth 8 blocks of queue (tuned on
-#: the Mooncake trace; see docs/benchmarks.md for the sweep).
-SIM_WEIGHTS = RoutingWeights(overlap_weight=8.0)
-#: Service model: prefill 10k tokens/s per node (decode time left out).
-PREFILL_S_PER_TOKEN = 1e-4
 
 
 def run_sim(*, trace: str | None = None, nodes: int = 8, capacities: tuple[int, ...] = (500, 1000, 2000),
@@ -64,37 +69,13 @@ def run_sim(*, trace: str | None = None, nodes: int = 8, capacities: tuple[int, 
     res.ratios["priority_vs_lru_hit_rate_system_prompt"] = pri.hit_rate / lru.hit_rate
     res.goals["priority_vs_lru_hit_rate_system_prompt"] = ">= 1.2"
 
-    # 2./3. Routing on the trace, and the stretch.
+    # 2./3. Routing on the trace and every family, and the stretch (kvflow.sim.routing).
     mc = mooncake(trace, limit)
-    routing_rows: dict[tuple[int, str], SimResult] = {}
-    for cap in capacities:
-        pooled = sim(mc, nodes=nodes, capacity=cap, routing="pooled", eviction="lru", workload="mooncake")
-        routing_rows[(cap, "pooled")] = pooled
-        for routing in ROUTING:
-            routing_rows[(cap, routing)] = sim(mc, nodes=nodes, capacity=cap, routing=routing, eviction="lru",
-                                               workload="mooncake")
-        stretch = sim(mc, nodes=nodes, capacity=cap, routing="kv_aware_load", eviction="adaptive",
-                      workload="mooncake")
-        res.ratios[f"kv_aware_adaptive_vs_pooled_lru_hit_rate_{cap}"] = stretch.hit_rate / pooled.hit_rate
-        kv_cap = routing_rows[(cap, "kv_aware_load")]
-        res.ratios[f"kv_aware_vs_pooled_hit_rate_{cap}"] = kv_cap.hit_rate / pooled.hit_rate
-    ref = reference if reference in capacities else capacities[len(capacities) // 2]
-    pooled = routing_rows[(ref, "pooled")]
-    kv = routing_rows[(ref, "kv_aware_load")]
-    res.ratios["kv_aware_vs_pooled_hit_rate"] = kv.hit_rate / pooled.hit_rate
-    res.ratios["round_robin_vs_pooled_hit_rate"] = routing_rows[(ref, "round_robin")].hit_rate / pooled.hit_rate
-    res.ratios["random_vs_pooled_hit_rate"] = routing_rows[(ref, "random")].hit_rate / pooled.hit_rate
-    res.figures["kv_aware_max_over_mean_load"] = max(kv.max_over_mean_requests, kv.max_over_mean_prefill)
-    res.figures["kv_aware_max_over_mean_requests"] = kv.max_over_mean_requests
-    res.figures["kv_aware_max_over_mean_prefill_tokens"] = kv.max_over_mean_prefill
-    res.figures["kv_aware_hit_rate"] = kv.hit_rate
-    res.baseline["pooled_lru_hit_rate"] = pooled.hit_rate
-    worst = max(max(routing_rows[(c, "kv_aware_load")].max_over_mean_requests,
-                    routing_rows[(c, "kv_aware_load")].max_over_mean_prefill) for c in capacities)
-    res.figures["kv_aware_max_over_mean_load_worst_capacity"] = worst
-    res.ratios["kv_aware_vs_pooled_hit_rate_min"] = min(res.ratios[f"kv_aware_vs_pooled_hit_rate_{c}"]
-                                                         for c in capacities)
-    res.goals.update({"kv_aware_vs_pooled_hit_rate": ">= 0.95", "kv_aware_max_over_mean_load": "<= 1.15"})
+    study = run_routing(trace=trace, limit=limit, generator_requests=generator_requests, nodes=nodes,
+                        capacities=capacities, step=step)
+    routing_figures(res, study, reference)
+    stretch(res, study, mc, sim)
+    ref = res.details["routing"]["reference_capacity"]
 
     # 4. Hit rate against capacity, one cache: the core's policies, ARC, S3-FIFO and Belady.
     curves: dict[str, list[float]] = {"lru": [], "priority": [], "adaptive": [], "arc": [], "s3fifo": [],
@@ -125,16 +106,16 @@ def run_sim(*, trace: str | None = None, nodes: int = 8, capacities: tuple[int, 
         "generators": gen_table, "runs": [r.as_dict() for r in rows],
     })
     out_dir.mkdir(parents=True, exist_ok=True)
-    report = markdown_report(res, routing_rows, capacities, curves, curve_capacities, gen_table,
+    report = markdown_report(res, study, capacities, curves, curve_capacities, gen_table,
                              system_prompt_capacity)
     (out_dir / "report.md").write_text(report)
     if plots:
-        write_plots(out_dir, routing_rows, capacities, ref, curves, curve_capacities)
+        write_plots(out_dir, study, capacities, ref, curves, curve_capacities)
     res.details["report"] = str(out_dir / "report.md")
     return res
 
 
-def markdown_report(res: BenchResult, routing_rows: dict[tuple[int, str], SimResult], capacities: tuple[int, ...],
+def markdown_report(res: BenchResult, study: RoutingStudy, capacities: tuple[int, ...],
                     curves: dict[str, list[float]], curve_capacities: tuple[int, ...],
                     gen_table: dict[str, dict[str, float]], sp_cap: int) -> str:
     lines = ["# kvflow sim", "",
@@ -142,15 +123,7 @@ def markdown_report(res: BenchResult, routing_rows: dict[tuple[int, str], SimRes
              f"{res.figures['system_prompt_lru_hit_rate']:.3f}, priority (client configs) "
              f"{res.figures['system_prompt_priority_hit_rate']:.3f} — "
              f"{res.ratios['priority_vs_lru_hit_rate_system_prompt']:.2f}x.", "",
-             "## Mooncake trace, 8 nodes", "",
-             "| blocks per node | routing | hit rate | vs pooled | max/mean requests | max/mean prefill tokens |",
-             "| ---: | --- | ---: | ---: | ---: | ---: |"]
-    for cap in capacities:
-        pooled = routing_rows[(cap, "pooled")].hit_rate
-        for routing in ("pooled", *ROUTING):
-            r = routing_rows[(cap, routing)]
-            lines.append(f"| {cap:,} | {routing} | {r.hit_rate:.4f} | {r.hit_rate / pooled:.3f} | "
-                         f"{r.max_over_mean_requests:.3f} | {r.max_over_mean_prefill:.3f} |")
+             *routing_report(study)]
     lines += ["", "KV-aware routing with the adaptive policy against one pooled LRU cache of the same size:", ""]
     lines += [f"- {cap:,} blocks per node: {res.ratios[f'kv_aware_adaptive_vs_pooled_lru_hit_rate_{cap}']:.3f}x"
               for cap in capacities]
@@ -165,8 +138,8 @@ def markdown_report(res: BenchResult, routing_rows: dict[tuple[int, str], SimRes
     return "\n".join(lines) + "\n"
 
 
-def write_plots(out_dir: Path, routing_rows: dict[tuple[int, str], SimResult], capacities: tuple[int, ...],
-                ref: int, curves: dict[str, list[float]], curve_capacities: tuple[int, ...]) -> None:
+def write_plots(out_dir: Path, study: RoutingStudy, capacities: tuple[int, ...], ref: int,
+                curves: dict[str, list[float]], curve_capacities: tuple[int, ...]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -185,24 +158,6 @@ def write_plots(out_dir: Path, routing_rows: dict[tuple[int, str], SimResult], c
     fig.savefig(out_dir / "hit_rate_vs_capacity.png", dpi=120)
     plt.close(fig)
 
-    names = ["pooled", *ROUTING]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
-    hit = [routing_rows[(ref, n)].hit_rate for n in names]
-    axes[0].bar(names, hit, color=["#888", "#bbb", "#bbb", "#bbb", "#5aa9e6", "#e0533d"])
-    axes[0].set_title(f"hit rate, 8 nodes x {ref:,} blocks")
-    axes[0].tick_params(axis="x", rotation=30)
-    req = [routing_rows[(ref, n)].max_over_mean_requests for n in names[1:]]
-    pre = [routing_rows[(ref, n)].max_over_mean_prefill for n in names[1:]]
-    x = range(len(names) - 1)
-    axes[1].bar([i - 0.2 for i in x], req, width=0.4, label="requests")
-    axes[1].bar([i + 0.2 for i in x], pre, width=0.4, label="prefill tokens")
-    axes[1].axhline(1.15, color="#e0533d", linestyle="--", linewidth=1, label="1.15")
-    axes[1].set_xticks(list(x), names[1:], rotation=30)
-    axes[1].set_yscale("log")
-    axes[1].set_title("load balance: busiest node / mean")
-    axes[1].legend()
-    fig.tight_layout()
-    fig.savefig(out_dir / "load_balance.png", dpi=120)
-    plt.close(fig)
+    plot_load_balance(out_dir, study, ref)
 
 

@@ -24,7 +24,7 @@ from routing_api.scoring import (
 from routing_api.scoring import decide as decide_matches
 from routing_api.state import Inflight
 
-W = RoutingWeights()
+W = RoutingWeights(load_bound=0.0)  # the cost alone, as before the bound: these decisions are today's
 H = [101, 102, 103, 104, 105, 106, 107, 108]  # a prompt of 8 full blocks
 
 

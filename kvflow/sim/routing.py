@@ -1,0 +1,241 @@
+"""The routing experiments of ``kvflow sim``: every routing policy × trace × capacity, with time.
+
+Traces: the Mooncake conversation trace (or ``--trace FILE``) and every family of
+:data:`kvflow.sim.workloads.GENERATORS`, on 8 nodes of 500 / 1,000 / 2,000 blocks. Policies:
+:data:`kvflow.sim.cluster.ROUTING` and ``pooled`` (one cache of 8 × the capacity, 8 servers: the
+ceiling). Each run reports the hit rate, its ratio to pooled, the busiest node's requests and
+prefill tokens over the mean, and the time to first token (p50 / p99) of the queueing model of
+:mod:`kvflow.sim.cluster`: prefill at ``PREFILL_S_PER_TOKEN`` (10k tokens/s per node), FIFO, and
+each request in hand — counted by the router — until its last token at ``DECODE_S_PER_TOKEN``.
+
+kvflow's policy (``kv_aware_load``) is :func:`routing_api.scoring.decide` with the router's default
+load bound and :data:`SIM_WEIGHTS`. The runs are independent: they are spread over processes
+(one task per trace and capacity).
+
+JSON (``BenchResult``): on the Mooncake trace at the reference capacity, as before,
+``ratios.kv_aware_vs_pooled_hit_rate``, ``round_robin_…``, ``random_…``, ``figures.kv_aware_max_over_mean_load``
+(the larger of requests and prefill tokens) …; over every trace and capacity (one_shot, where
+pooled hits nothing, has no ratio): ``ratios.kv_aware_vs_pooled_hit_rate_min`` (goal ≥ 0.95),
+``figures.kv_aware_max_over_mean_load_worst_capacity`` (the busiest node's prefill tokens over the
+mean; goal ≤ 1.15), ``ratios.kv_aware_ttft_p99_vs_round_robin_max`` and ``…_vs_least_loaded_max``
+(goal ≤ 1), the same per trace (``….<trace>``) and the anchors' (``sglang_…``, ``llm_d_…``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvflow.bench.harness import BenchResult
+from kvflow.sim.cluster import ROUTING, SimResult, simulate
+from kvflow.sim.workloads import GENERATORS, SimRequest, mooncake
+from routing_api.scoring import DEFAULT_WEIGHTS, RoutingWeights
+
+#: Prefill 10k tokens/s per node.
+PREFILL_S_PER_TOKEN = 1e-4
+#: Decode at 50 tokens/s (the families' own assumption: agentic steps are decoded at 50 tokens/s):
+#: how long a request stays in hand after its prefill, as the router counts it.
+DECODE_S_PER_TOKEN = 0.02
+#: The router's weights in the simulator: its defaults (the load bound on) with a cached block worth
+#: 24 blocks of load (KVFLOW_ROUTER_OVERLAP_WEIGHT=24): the cost follows the cache, the bound keeps
+#: the balance. Chosen on the Mooncake trace, multi_turn, agentic and hot_prefixes (docs/router.md).
+SIM_WEIGHTS = dataclasses.replace(DEFAULT_WEIGHTS, overlap_weight=24.0)
+POLICIES = ("pooled", *ROUTING)
+#: Where the goals are judged: every trace, every capacity.
+GOALS = {"kv_aware_vs_pooled_hit_rate_min": ">= 0.95", "kv_aware_max_over_mean_load_worst_capacity": "<= 1.15",
+         "kv_aware_ttft_p99_vs_round_robin_max": "<= 1", "kv_aware_ttft_p99_vs_least_loaded_max": "<= 1"}
+
+
+@dataclass
+class RoutingStudy:
+    """Every run: ``rows[(trace, capacity, policy)]``."""
+
+    traces: list[str]
+    capacities: tuple[int, ...]
+    nodes: int
+    rows: dict[tuple[str, int, str], SimResult] = field(default_factory=dict)
+
+    def row(self, trace: str, cap: int, policy: str) -> SimResult:
+        return self.rows[(trace, cap, policy)]
+
+    def vs_pooled(self, trace: str, cap: int, policy: str) -> float | None:
+        """The hit rate over pooled's (None where pooled hits nothing)."""
+        pooled = self.row(trace, cap, "pooled").hit_rate
+        return self.row(trace, cap, policy).hit_rate / pooled if pooled else None
+
+
+def _traces(trace: str | None, limit: int | None, generator_requests: int) -> dict[str, Callable[[], list[SimRequest]]]:
+    out: dict[str, Callable[[], list[SimRequest]]] = {"mooncake": lambda: mooncake(trace, limit)}
+    for name, gen in GENERATORS.items():
+        out[name] = lambda gen=gen: gen(generator_requests)  # type: ignore[misc]
+    return out
+
+
+def _task(args: tuple[str, int, str | None, int | None, int, int, RoutingWeights]) -> list[SimResult]:
+    """One trace at one capacity: pooled and every policy."""
+    name, cap, trace, limit, generator_requests, nodes, weights = args
+    reqs = _traces(trace, limit, generator_requests)[name]()
+    return [simulate(reqs, nodes=nodes, capacity=cap, routing=p, eviction="lru", workload=name,
+                     prefill_s_per_token=PREFILL_S_PER_TOKEN, decode_s_per_token=DECODE_S_PER_TOKEN,
+                     weights=weights) for p in POLICIES]
+
+
+def run_routing(*, trace: str | None = None, limit: int | None = None, generator_requests: int = 6000,
+                nodes: int = 8, capacities: tuple[int, ...] = (500, 1000, 2000),
+                weights: RoutingWeights = SIM_WEIGHTS, workers: int | None = None,
+                step: Callable[[str], None] = lambda _m: None) -> RoutingStudy:
+    """Run every policy on every trace at every capacity (``workers`` processes; default: the CPUs)."""
+    names = list(_traces(trace, limit, generator_requests))
+    study = RoutingStudy(names, capacities, nodes)
+    tasks = [(name, cap, trace, limit, generator_requests, nodes, weights) for name in names for cap in capacities]
+    n = max(1, min(workers or os.cpu_count() or 1, len(tasks)))
+    results: list[list[SimResult]] = []
+    if n == 1:
+        for t in tasks:
+            step(f"routing: {t[0]} at {nodes} x {t[1]}")
+            results.append(_task(t))
+    else:
+        with ProcessPoolExecutor(n) as pool:
+            for i, r in enumerate(pool.map(_task, tasks)):
+                step(f"routing: {i + 1}/{len(tasks)} ({tasks[i][0]} at {nodes} x {tasks[i][1]})")
+                results.append(r)
+    for t, runs in zip(tasks, results, strict=True):
+        for run in runs:
+            study.rows[(t[0], t[1], run.routing)] = run
+    return study
+
+
+def _worst(study: RoutingStudy, policy: str, traces: Sequence[str]) -> dict[str, float]:
+    """A policy's worst figures over ``traces`` and every capacity."""
+    hit = [v for t in traces for c in study.capacities if (v := study.vs_pooled(t, c, policy)) is not None]
+    rows = [study.row(t, c, policy) for t in traces for c in study.capacities]
+    out = {"vs_pooled_hit_rate_min": min(hit) if hit else 1.0,
+           "max_over_mean_prefill_worst": max(r.max_over_mean_prefill for r in rows),
+           "max_over_mean_requests_worst": max(r.max_over_mean_requests for r in rows)}
+    for base in ("round_robin", "least_loaded"):
+        out[f"ttft_p99_vs_{base}_max"] = max(
+            study.row(t, c, policy).ttft_p99 / max(study.row(t, c, base).ttft_p99, 1e-9)
+            for t in traces for c in study.capacities)
+    return out
+
+
+def routing_figures(res: BenchResult, study: RoutingStudy, reference: int) -> None:
+    """The JSON names (module docstring) into ``res``."""
+    ref = reference if reference in study.capacities else study.capacities[len(study.capacities) // 2]
+    mc = "mooncake"
+    kv, pooled = study.row(mc, ref, "kv_aware_load"), study.row(mc, ref, "pooled")
+    for cap in study.capacities:
+        res.ratios[f"kv_aware_vs_pooled_hit_rate_{cap}"] = study.vs_pooled(mc, cap, "kv_aware_load") or 1.0
+    res.ratios["kv_aware_vs_pooled_hit_rate"] = study.vs_pooled(mc, ref, "kv_aware_load") or 1.0
+    for p in ("round_robin", "random", "least_loaded", "sglang", "llm_d"):
+        res.ratios[f"{p}_vs_pooled_hit_rate"] = study.vs_pooled(mc, ref, p) or 1.0
+    res.figures["kv_aware_max_over_mean_load"] = max(kv.max_over_mean_requests, kv.max_over_mean_prefill)
+    res.figures["kv_aware_max_over_mean_requests"] = kv.max_over_mean_requests
+    res.figures["kv_aware_max_over_mean_prefill_tokens"] = kv.max_over_mean_prefill
+    res.figures["kv_aware_hit_rate"] = kv.hit_rate
+    res.figures["kv_aware_ttft_p50_s"] = kv.ttft_p50
+    res.figures["kv_aware_ttft_p99_s"] = kv.ttft_p99
+    res.baseline["pooled_lru_hit_rate"] = pooled.hit_rate
+    for policy, prefix in (("kv_aware_load", "kv_aware"), ("sglang", "sglang"), ("llm_d", "llm_d"),
+                           ("dynamo_cost", "dynamo_cost")):
+        w = _worst(study, policy, study.traces)
+        res.ratios[f"{prefix}_vs_pooled_hit_rate_min"] = w["vs_pooled_hit_rate_min"]
+        res.figures[f"{prefix}_max_over_mean_load_worst_capacity"] = w["max_over_mean_prefill_worst"]
+        res.figures[f"{prefix}_max_over_mean_requests_worst_capacity"] = w["max_over_mean_requests_worst"]
+        res.ratios[f"{prefix}_ttft_p99_vs_round_robin_max"] = w["ttft_p99_vs_round_robin_max"]
+        res.ratios[f"{prefix}_ttft_p99_vs_least_loaded_max"] = w["ttft_p99_vs_least_loaded_max"]
+    for t in study.traces:
+        w = _worst(study, "kv_aware_load", [t])
+        if any(study.vs_pooled(t, c, "kv_aware_load") is not None for c in study.capacities):
+            res.ratios[f"kv_aware_vs_pooled_hit_rate_min.{t}"] = w["vs_pooled_hit_rate_min"]
+        res.figures[f"kv_aware_max_over_mean_load_worst_capacity.{t}"] = w["max_over_mean_prefill_worst"]
+        res.ratios[f"kv_aware_ttft_p99_vs_round_robin_max.{t}"] = w["ttft_p99_vs_round_robin_max"]
+        res.ratios[f"kv_aware_ttft_p99_vs_least_loaded_max.{t}"] = w["ttft_p99_vs_least_loaded_max"]
+    res.goals.update(GOALS)
+    res.goals.update({"kv_aware_vs_pooled_hit_rate": ">= 0.95", "kv_aware_max_over_mean_load": "<= 1.15"})
+    res.details["routing"] = {
+        "traces": study.traces, "capacities": list(study.capacities), "nodes": study.nodes,
+        "reference_capacity": ref, "policies": list(POLICIES), "weights": dataclasses.asdict(SIM_WEIGHTS),
+        "prefill_s_per_token": PREFILL_S_PER_TOKEN, "decode_s_per_token": DECODE_S_PER_TOKEN,
+        "runs": [r.as_dict() for r in study.rows.values()]}
+
+
+def _cell(v: float | None, fmt: str = ".3f") -> str:
+    return "—" if v is None else format(v, fmt)
+
+
+def routing_report(study: RoutingStudy) -> list[str]:
+    """The report's routing section: the goals per trace, then every run."""
+    lines = [f"## Routing: {study.nodes} nodes, every trace", "",
+             f"Prefill {1 / PREFILL_S_PER_TOKEN:,.0f} tokens/s per node (FIFO), decode {1 / DECODE_S_PER_TOKEN:.0f} "
+             "tokens/s; kvflow = `kv_aware_load` (the router's `decide`, load bound "
+             f"ε = {SIM_WEIGHTS.load_bound}, overlap weight {SIM_WEIGHTS.overlap_weight:g}). Worst over capacities "
+             f"{', '.join(f'{c:,}' for c in study.capacities)}:", "",
+             "| trace | kvflow vs pooled (min) | busiest / mean prefill (worst) | TTFT p99 vs round-robin (max) | "
+             "vs least-loaded (max) |", "| --- | ---: | ---: | ---: | ---: |"]
+    for t in study.traces:
+        w = _worst(study, "kv_aware_load", [t])
+        has = any(study.vs_pooled(t, c, "kv_aware_load") is not None for c in study.capacities)
+        lines.append(f"| {t} | {_cell(w['vs_pooled_hit_rate_min'] if has else None)} | "
+                     f"{w['max_over_mean_prefill_worst']:.3f} | {w['ttft_p99_vs_round_robin_max']:.3f} | "
+                     f"{w['ttft_p99_vs_least_loaded_max']:.3f} |")
+    lines += ["", "Every run (hit rate; its ratio to pooled; busiest node over the mean, requests and prefill "
+              "tokens; time to first token):", "",
+              "| trace | blocks per node | routing | hit rate | vs pooled | max/mean requests | max/mean prefill | "
+              "TTFT p50 s | TTFT p99 s |", "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for t in study.traces:
+        for cap in study.capacities:
+            for p in POLICIES:
+                r = study.row(t, cap, p)
+                lines.append(f"| {t} | {cap:,} | {p} | {r.hit_rate:.4f} | {_cell(study.vs_pooled(t, cap, p))} | "
+                             f"{r.max_over_mean_requests:.3f} | {r.max_over_mean_prefill:.3f} | {r.ttft_p50:.3f} | "
+                             f"{r.ttft_p99:.3f} |")
+    return lines
+
+
+def plot_load_balance(out_dir: Path, study: RoutingStudy, reference: int) -> None:
+    """``load_balance.png``: per policy, the worst hit rate against pooled and the worst busiest node
+    over the mean (prefill tokens, requests) over every trace and capacity."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(ROUTING)
+    worst = {p: _worst(study, p, study.traces) for p in names}
+    colors = ["#bbb"] * (len(names) - 1) + ["#e0533d"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
+    axes[0].bar(names, [worst[p]["vs_pooled_hit_rate_min"] for p in names], color=colors)
+    axes[0].axhline(0.95, color="#e0533d", linestyle="--", linewidth=1, label="0.95")
+    axes[0].set_title(f"hit rate / pooled, worst over {len(study.traces)} traces x {len(study.capacities)} capacities")
+    axes[0].tick_params(axis="x", rotation=30)
+    axes[0].legend()
+    x = range(len(names))
+    axes[1].bar([i - 0.2 for i in x], [worst[p]["max_over_mean_requests_worst"] for p in names], width=0.4,
+                label="requests")
+    axes[1].bar([i + 0.2 for i in x], [worst[p]["max_over_mean_prefill_worst"] for p in names], width=0.4,
+                label="prefill tokens")
+    axes[1].axhline(1.15, color="#e0533d", linestyle="--", linewidth=1, label="1.15")
+    axes[1].set_xticks(list(x), names, rotation=30)
+    axes[1].set_yscale("log")
+    axes[1].set_title("busiest node / mean, worst")
+    axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "load_balance.png", dpi=120)
+    plt.close(fig)
+
+
+def stretch(res: BenchResult, study: RoutingStudy, mc: Sequence[SimRequest], sim: Callable[..., Any]) -> None:
+    """kvflow's routing with the adaptive eviction policy on the nodes, against one pooled LRU cache of
+    the same total size, on the trace ``mc`` (``ratios.kv_aware_adaptive_vs_pooled_lru_hit_rate_<cap>``);
+    ``sim`` runs and records one simulation."""
+    for cap in study.capacities:
+        r = sim(mc, nodes=study.nodes, capacity=cap, routing="kv_aware_load", eviction="adaptive",
+                workload="mooncake", decode_s_per_token=DECODE_S_PER_TOKEN)
+        pooled = study.row("mooncake", cap, "pooled").hit_rate
+        res.ratios[f"kv_aware_adaptive_vs_pooled_lru_hit_rate_{cap}"] = r.hit_rate / pooled if pooled else 1.0

@@ -1,0 +1,197 @@
+"""Routing in the simulator: time to first token, kvflow's bounded loads, and the SGLang and llm-d anchors,
+on small exact cases; the routing study's JSON names."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from inference_node.kv.prompt import Prompt
+from kvflow.bench.harness import BenchResult
+from kvflow.sim.cluster import ROUTING, RouterPolicy, SimNode, _core, percentile, simulate
+from kvflow.sim.router_anchors import ApproxTree, LlmdScorer, SGLangCacheAware, _LruIndex
+from kvflow.sim.routing import GOALS, POLICIES, routing_figures, routing_report, run_routing
+from kvflow.sim.workloads import BLOCK_TOKENS, SimRequest
+from routing_api.scoring import RoutingWeights
+
+SECOND_PER_BLOCK = 1 / BLOCK_TOKENS  # prefill_s_per_token: one block takes one second
+
+
+def req(t: float, keys: range | tuple[int, ...], out: int = 0) -> SimRequest:
+    return SimRequest(t, tuple(keys), out)
+
+
+def test_percentile_is_the_nearest_rank():
+    assert percentile([], 99) == 0.0
+    assert percentile([3.0], 50) == 3.0
+    assert percentile([0, 4, 10, 11], 50) == 4 and percentile([0, 4, 10, 11], 99) == 11
+    assert percentile(list(range(1, 101)), 99) == 99 and percentile(list(range(1, 101)), 100) == 100
+
+
+def test_time_to_first_token_on_two_nodes_is_the_wait_plus_the_own_prefill():
+    reqs = [req(0, range(1, 11)), req(0, range(101, 105)), req(1, (201, 202)), req(20, range(101, 105))]
+    rr = simulate(reqs, nodes=2, capacity=100, routing="round_robin", eviction="lru",
+                  prefill_s_per_token=SECOND_PER_BLOCK)
+    # n0: r0 prefills 10 s; r2 arrives at 1, waits until 10, prefills 2. n1: r1 4 s; r3 hits all 4 blocks.
+    assert rr.ttft_s == [10, 4, 11, 0]
+    assert (rr.ttft_p50, rr.ttft_p99) == (4, 11)
+    assert rr.mean_queue_s == 9 / 4
+    assert rr.requests_per_node == [2, 2] and rr.hit_blocks == 4
+    assert rr.prefill_tokens_per_node == [12 * BLOCK_TOKENS, 4 * BLOCK_TOKENS]
+    assert rr.max_over_mean_prefill == 12 / 8
+    # Pooled: one cache, two servers and one queue: r2 starts on the server r1 frees at 4.
+    pooled = simulate(reqs, nodes=2, capacity=100, routing="pooled", eviction="lru",
+                      prefill_s_per_token=SECOND_PER_BLOCK)
+    assert pooled.ttft_s == [10, 4, 5, 0]
+    assert pooled.requests_per_node == [1, 3] and pooled.prefill_tokens_per_node == [10 * 512, 6 * 512]
+
+
+def test_a_node_holds_its_requests_until_their_last_token_and_reports_the_waiting_ones():
+    core, clock = _core(100, "lru")
+    nd = SimNode(core, clock, capacity=100)
+    assert nd.admit(0.0, 10, 5.0, 2.0) == 0.0  # prefill 0–5, in hand until 7
+    assert nd.admit(1.0, 20, 1.0, 0.5) == 5.0  # waits: prefill 5–6, in hand until 6.5
+    assert nd.admit(2.0, 30, 1.0, 0.0) == 6.0  # waits: prefill 6–7
+    nd.settle(2.0)
+    assert (nd.inflight, nd.inflight_blocks, nd.waiting) == (3, 60, 2)
+    assert nd.kv_usage == 10 / 100  # the waiting ones hold no blocks
+    nd.settle(5.5)
+    assert (nd.inflight, nd.waiting, nd.kv_usage) == (3, 1, 30 / 100)  # r0 decodes, r1 prefills
+    nd.settle(6.6)
+    assert (nd.inflight, nd.inflight_blocks, nd.waiting) == (2, 40, 0)
+    nd.settle(7.0)
+    assert (nd.inflight, nd.inflight_blocks, nd.waiting, nd.kv_usage) == (0, 0, 0, 0.0)
+
+
+def _hot(n: int, gap: float) -> list[SimRequest]:
+    """A hot prefix of 8 blocks, each request with a fresh block of its own."""
+    return [req(i * gap, (*range(1, 9), 1000 + i), 50) for i in range(n)]
+
+
+def test_a_hot_prefix_is_replicated_to_a_second_node_only_when_its_node_is_over_the_bound():
+    w = RoutingWeights(overlap_weight=24.0, load_bound=0.75)
+    kw: dict[str, Any] = {"nodes": 4, "capacity": 1000, "routing": "kv_aware_load", "eviction": "lru", "weights": w,
+                          "prefill_s_per_token": SECOND_PER_BLOCK / 10, "decode_s_per_token": 0.01}
+    # Slow traffic: each request finds the fleet idle; the prefix stays on one node, and hits every time after the
+    # first (ties at random among idle nodes only for the very first).
+    slow = simulate(_hot(40, 10.0), **kw)
+    assert sorted(slow.requests_per_node) == [0, 0, 0, 40]
+    assert slow.hit_blocks == 8 * 39
+    # Fast traffic: its node goes over the bound, the next request goes to another node, which then holds it too.
+    fast = simulate(_hot(40, 0.2), **kw)  # ~3 requests in hand at a time
+    used = sum(1 for r in fast.requests_per_node if r)
+    assert used >= 2
+    assert fast.hit_blocks == 8 * (40 - used)  # each node that took the prefix computed it once
+    # The cost alone (Dynamo's) keeps every request on the node that holds it.
+    dyn = simulate(_hot(40, 0.2), **{**kw, "routing": "dynamo_cost"})
+    assert sorted(dyn.requests_per_node) == [0, 0, 0, 40]
+
+
+def test_kv_aware_load_is_the_routers_decide_with_its_load_as_the_router_knows_it():
+    nodes = [SimNode(*_core(100, "lru"), capacity=100) for _ in range(3)]
+    nodes[0].admit(0.0, 8, 5.0, 0.0)
+    nodes[0].admit(0.0, 8, 5.0, 0.0)  # two requests in hand, one waiting
+    prompt = Prompt.from_block_keys(range(1, 9), BLOCK_TOKENS)
+    nodes[0].core.allocate("x", prompt)
+    nodes[0].core.free("x")
+    p = RouterPolicy(RoutingWeights(overlap_weight=24.0, load_bound=0.0), random.Random(0))
+    assert p.choose(req(0.1, range(1, 9)), prompt, nodes) == 0  # the cost alone: the cache wins
+    p = RouterPolicy(RoutingWeights(overlap_weight=24.0, load_bound=0.75), random.Random(0))
+    assert p.choose(req(0.1, range(1, 9)), prompt, nodes) in (1, 2)  # 16 + 8 queued > 1.75 x 32 / 3
+
+
+def test_sglangs_tree_matches_the_longest_prefix_and_evicts_least_recently_used_leaves():
+    tree = ApproxTree(3)
+    tree.insert((1, 2, 3), 0, 1.0)
+    tree.insert((1, 2, 9), 1, 2.0)
+    assert tree.size == [3, 3, 0]
+    assert tree.prefix_match((1, 2, 3, 4), 3.0) == (3, 0)
+    assert tree.prefix_match((1, 2, 7), 4.0) == (2, 0)  # the first worker of the deepest node matched
+    assert tree.prefix_match((5,), 4.0)[0] == 0
+    assert tree.smallest() == 2
+    tree.insert((1, 2, 3), 2, 5.0)
+    tree.insert((1, 4), 2, 6.0)
+    tree.evict(2)  # every worker cut back to 2 blocks, its least recently used leaves first
+    assert tree.size == [2, 2, 2]
+    assert tree.prefix_match((1, 2, 9), 7.0) == (2, 0)  # worker 1 lost its leaf 9, the only holder
+    assert tree.prefix_match((1, 2, 3), 7.0) == (2, 0)  # 3's holders 0 and 2 lost it (2: older than 4)
+    assert tree.prefix_match((1, 4), 7.0) == (2, 2)
+
+
+def test_sglang_routes_by_match_rate_then_smallest_tree_and_by_shortest_queue_when_imbalanced():
+    p = SGLangCacheAware(3)
+    idle = [SimpleNamespace(inflight=0) for _ in range(3)]
+    pr = Prompt.from_block_keys([1], BLOCK_TOKENS)  # unused by the policy (it matches keys)
+    assert p.choose(req(0, (1, 2, 3, 4)), pr, idle) == 0    # no match: the smallest tree (all empty: the first)
+    assert p.choose(req(1, (1, 2, 3, 4)), pr, idle) == 0    # 4/4 > 0.3: the match
+    assert p.choose(req(2, (1, 2, 5, 6, 7, 8, 9)), pr, idle) == 1  # 2/7 = 0.29 <= 0.3: the smallest tree
+    assert p.choose(req(3, (1, 2, 5, 6, 7)), pr, idle) == 1  # 5/5 on worker 1 now
+    assert p.imbalanced([70, 0, 3]) and not p.imbalanced([70, 10, 10]) and not p.imbalanced([200, 150, 150])
+    loaded = [SimpleNamespace(inflight=n) for n in (70, 3, 0)]
+    assert p.choose(req(4, (1, 2, 3, 4)), pr, loaded) == 2  # imbalanced: the shortest queue, whatever matches
+    assert p.choose(req(5, (1, 2, 3, 4)), pr, [SimpleNamespace(inflight=n) for n in (70, 10, 10)]) in (0, 2)
+    assert p.tree.prefix_match((1, 2, 3, 4), 6.0) == (4, 0)
+
+
+def test_sglang_cuts_its_trees_back_at_each_interval():
+    p = SGLangCacheAware(2, max_tree_size_chars=3 * BLOCK_TOKENS * 4, eviction_interval_s=10.0)
+    idle = [SimpleNamespace(inflight=0) for _ in range(2)]
+    pr = Prompt.from_block_keys([1], BLOCK_TOKENS)
+    p.choose(req(0, range(1, 11)), pr, idle)
+    assert p.tree.size[0] == 10
+    p.choose(req(11, (50,)), pr, idle)  # the eviction at 10 s ran first
+    assert p.tree.size[0] == 3 and p.max_blocks == 3
+
+
+def test_llm_ds_index_is_an_lru_per_server_of_what_was_routed():
+    idx = _LruIndex(2, 2)
+    idx.add([b"a", b"b", b"c"], 0)
+    assert list(idx.lru[0]) == [b"b", b"c"] and b"a" not in idx.holders
+    assert idx.match([b"a", b"b"]) == Counter()  # the prefix stops at the first hash nobody holds
+    idx.add([b"b"], 1)
+    assert idx.match([b"b", b"c", b"d"]) == Counter({0: 2, 1: 1})
+
+
+def test_llm_ds_scorers_weigh_prefix_3_queue_2_kv_usage_2_and_the_highest_wins():
+    p = LlmdScorer(3, 1000, random.Random(0))
+    prompt = Prompt.from_block_keys(range(1, 5), BLOCK_TOKENS)
+    p.index.add(prompt.digests[:2], 1)  # server 1 was sent the first 2 of the 4 blocks
+    nodes = [SimpleNamespace(waiting=q, kv_usage=u) for q, u in ((0, 0.5), (2, 0.0), (4, 0.0))]
+    # prefix 0, 1/2, 0; queue (4 - q) / 4: 1, 1/2, 0; KV 1 - usage: 1/2, 1, 1
+    assert p.scores(prompt, nodes) == [pytest.approx(3.0), pytest.approx(4.5), pytest.approx(2.0)]
+    assert p.choose(req(0, range(1, 5)), prompt, nodes) == 1
+    assert p.index.match(prompt.digests) == Counter({1: 4})  # what it routed is indexed
+    same = [SimpleNamespace(waiting=0, kv_usage=0.0) for _ in range(3)]
+    other = Prompt.from_block_keys(range(50, 53), BLOCK_TOKENS)
+    picks = Counter(LlmdScorer(3, 1000, random.Random(i)).choose(req(0, range(50, 53)), other, same)
+                    for i in range(300))
+    assert set(picks) == {0, 1, 2}  # ties at random
+
+
+def test_every_policy_runs_and_the_study_reports_the_issues_names(tmp_path):
+    study = run_routing(limit=300, generator_requests=300, capacities=(100, 200), workers=1)
+    assert set(study.traces) >= {"mooncake", "hot_prefixes", "one_shot"}
+    assert {p for (_, _, p) in study.rows} == set(POLICIES) == {"pooled", *ROUTING}
+    assert study.vs_pooled("one_shot", 100, "kv_aware_load") is None  # pooled hits nothing there
+    res = BenchResult("sim")
+    routing_figures(res, study, 200)
+    for name in ("kv_aware_vs_pooled_hit_rate_min", "kv_aware_ttft_p99_vs_round_robin_max",
+                 "kv_aware_ttft_p99_vs_least_loaded_max", "kv_aware_vs_pooled_hit_rate",
+                 "round_robin_vs_pooled_hit_rate",
+                 "sglang_vs_pooled_hit_rate_min", "llm_d_vs_pooled_hit_rate_min", "kv_aware_vs_pooled_hit_rate_100",
+                 "kv_aware_vs_pooled_hit_rate_min.hot_prefixes", "kv_aware_ttft_p99_vs_round_robin_max.one_shot"):
+        assert name in res.ratios, name
+    for name in ("kv_aware_max_over_mean_load_worst_capacity", "kv_aware_max_over_mean_load",
+                 "kv_aware_max_over_mean_load_worst_capacity.hot_prefixes", "kv_aware_ttft_p99_s"):
+        assert name in res.figures, name
+    assert "kv_aware_vs_pooled_hit_rate_min.one_shot" not in res.ratios
+    worst = max(study.row(t, c, "kv_aware_load").max_over_mean_prefill for t in study.traces for c in (100, 200))
+    assert res.figures["kv_aware_max_over_mean_load_worst_capacity"] == worst
+    assert all(res.goals[k] == v for k, v in GOALS.items())
+    report = routing_report(study)
+    assert sum(1 for line in report if line.startswith("| hot_prefixes | 100 |")) == len(POLICIES)
+    assert any(line.startswith("| one_shot | — |") for line in report)
