@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 from sqlalchemy.exc import SQLAlchemyError
 
-from kvflow.stack import ServiceStatus, Stack, StackError, redact_url
+from kvflow.stack import ServiceStatus, Stack, StackError, StackSettings, redact_url
 from kvflow.supervise import Stopped, follow_parent, signals_stop
 
 app = typer.Typer(
@@ -66,9 +66,23 @@ def guarded(cmd: str, fn: Callable[[], T]) -> T:
 
 
 @stack_app.command("up")
-def stack_up() -> None:
+def stack_up(
+    brokers: Annotated[int | None, typer.Option(
+        "--brokers", min=1, max=9,
+        help="Kafka brokers (KRaft, each broker + controller): 3 gives topics 3 replicas and "
+             "min.insync.replicas=2. Default: as the stack was formatted, else 1.")] = None,
+    replica: Annotated[bool | None, typer.Option(
+        "--replica/--no-replica",
+        help="A PostgreSQL streaming standby (KVFLOW_STACK_REPLICA_PORT, 55433) for routers to read. "
+             "Default: if one was made before.")] = None,
+) -> None:
     """Start Apache Kafka (KRaft) and PostgreSQL; a no-op for what already runs."""
-    stack = Stack()
+    settings = StackSettings()
+    if brokers is not None:
+        settings.kafka_brokers = brokers
+    if replica is not None:
+        settings.replica = replica
+    stack = Stack(settings)
 
     def up() -> dict[str, str]:
         with signals_stop():  # a stop signal ends its helper commands (subprocess.run kills them)
@@ -111,6 +125,8 @@ def _print_status(stack: Stack) -> list[ServiceStatus]:
     console.print(table)
     console.print(f"KVFLOW_KAFKA_BOOTSTRAP={stack.kafka.address}", highlight=False)
     console.print(f"KVFLOW_DATABASE_URL={redact_url(stack.database_url)}", highlight=False)
+    if stack.wants_replica:
+        console.print(f"KVFLOW_DATABASE_READER_URL={redact_url(stack.reader_url)}", highlight=False)
     return statuses
 
 

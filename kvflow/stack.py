@@ -51,7 +51,19 @@ class StackSettings(BaseSettings):
     kafka_port: int = Field(default=9092, description="Kafka client listener on localhost.")
     kafka_controller_port: int = Field(default=9093, description="KRaft controller listener.")
     kafka_heap: str = Field(default="768m", description="Maximum JVM heap of the broker.")
+    kafka_brokers: int | None = Field(
+        default=None, ge=1, le=9,
+        description="Brokers of the KRaft cluster (each broker + controller); default: as formatted, else 1.",
+    )
+    kafka_ports: list[int] = Field(
+        default_factory=list, description="Client port of each broker (default: kafka_port + 2 × i).")
+    kafka_controller_ports: list[int] = Field(
+        default_factory=list, description="Controller port of each broker (default: kafka_controller_port + 2 × i).")
+    kafka_cluster_heap: str = Field(default="512m", description="Maximum JVM heap of each broker of a cluster.")
     postgres_port: int = Field(default=55432, description="Port of the private PostgreSQL.")
+    replica: bool | None = Field(
+        default=None, description="A streaming standby of the private PostgreSQL; default: if one was made.")
+    replica_port: int = Field(default=55433, description="Port of the PostgreSQL standby.")
     start_timeout_s: float = Field(default=120.0, description="How long `up` waits for each service.")
 
 
@@ -203,15 +215,50 @@ def new_cluster_id(random_uuid: Callable[[], uuid.UUID] | None = None) -> str:
 
 
 class Kafka:
-    """A single KRaft node (broker and controller in one JVM) run from Maven Central jars."""
+    """One KRaft node (broker and controller in one JVM) run from Maven Central jars.
 
-    def __init__(self, paths: Paths, settings: StackSettings) -> None:
+    ``node_id`` 1 keeps the single broker's folders (``kafka/data``, ``kafka/server.properties``,
+    ``kafka/kafka.pid``, ``logs/kafka``); broker ``k`` of a cluster has ``kafka/broker-k/…`` and
+    ``logs/kafka-k``. ``brokers``: the size of the cluster it belongs to (its controller quorum).
+    """
+
+    def __init__(self, paths: Paths, settings: StackSettings, node_id: int = 1, brokers: int = 1) -> None:
         self.paths = paths
         self.settings = settings
+        self.node_id = node_id
+        self.brokers = brokers
+
+    @property
+    def port(self) -> int:
+        return broker_port(self.settings, self.node_id)
+
+    @property
+    def controller_port(self) -> int:
+        return broker_port(self.settings, self.node_id, controller=True)
 
     @property
     def address(self) -> str:
-        return f"localhost:{self.settings.kafka_port}"
+        return f"localhost:{self.port}"
+
+    @property
+    def dir(self) -> Path:
+        return self.paths.kafka if self.node_id == 1 else self.paths.kafka / f"broker-{self.node_id}"
+
+    @property
+    def data(self) -> Path:
+        return self.paths.kafka_data if self.node_id == 1 else self.dir / "data"
+
+    @property
+    def conf(self) -> Path:
+        return self.paths.kafka_conf if self.node_id == 1 else self.dir / "server.properties"
+
+    @property
+    def pid_file(self) -> Path:
+        return self.paths.kafka_pid if self.node_id == 1 else self.dir / "kafka.pid"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.paths.logs / ("kafka" if self.node_id == 1 else f"kafka-{self.node_id}")
 
     # -- jars
     def _pom(self) -> Path:
@@ -264,33 +311,58 @@ class Kafka:
             self._java(), f"-Xmx{heap}", "-Xms128m", "-XX:+UseG1GC",
             "-Djava.awt.headless=true",
             f"-Dlog4j2.configurationFile={self.paths.deploy / 'kafka' / 'log4j2.yaml'}",
-            f"-Dkafka.logs.dir={self.paths.logs / 'kafka'}",
+            f"-Dkafka.logs.dir={self.log_dir}",
             "-cp", f"{self.paths.kafka_libs}/*", main, *args,
         ]
 
+    def config_overrides(self) -> dict[str, str]:
+        """What this stack sets over deploy/kafka/server.properties: the node's id, listeners,
+        folder and controller quorum; in a cluster of three or more, three replicas of every
+        internal topic and ``min.insync.replicas=2`` (a write is acknowledged by two brokers)."""
+        s = self.settings
+        n = self.brokers
+        voters = ",".join(f"{i}@localhost:{broker_port(s, i, controller=True)}" for i in range(1, n + 1))
+        out = {
+            "node.id": str(self.node_id),
+            "listeners": f"PLAINTEXT://localhost:{self.port},CONTROLLER://localhost:{self.controller_port}",
+            "advertised.listeners": f"PLAINTEXT://localhost:{self.port}",
+            "controller.quorum.voters": voters,
+            "log.dirs": str(self.data),
+        }
+        if n > 1:
+            rf, isr = str(replication_factor(n)), str(min_insync_replicas(n))
+            out.update({
+                "offsets.topic.replication.factor": rf,
+                "transaction.state.log.replication.factor": rf,
+                "transaction.state.log.min.isr": isr,
+                "share.coordinator.state.topic.replication.factor": rf,
+                "share.coordinator.state.topic.min.isr": isr,
+                "default.replication.factor": rf,
+                "min.insync.replicas": isr,
+            })
+        return out
+
     def write_config(self) -> None:
         """The checked-in server.properties, plus the listeners and folders of this stack."""
-        s = self.settings
         base = (self.paths.deploy / "kafka" / "server.properties").read_text()
-        overrides = {
-            "listeners": f"PLAINTEXT://localhost:{s.kafka_port},CONTROLLER://localhost:{s.kafka_controller_port}",
-            "advertised.listeners": f"PLAINTEXT://localhost:{s.kafka_port}",
-            "controller.quorum.voters": f"1@localhost:{s.kafka_controller_port}",
-            "log.dirs": str(self.paths.kafka_data),
-        }
+        overrides = self.config_overrides()
         lines = [ln for ln in base.splitlines() if ln.split("=", 1)[0].strip() not in overrides]
         lines.append("\n# Written by kvflow/stack.py for this stack:")
         lines.extend(f"{k}={v}" for k, v in overrides.items())
-        self.paths.kafka_conf.write_text("\n".join(lines) + "\n")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.conf.write_text("\n".join(lines) + "\n")
 
-    def ensure_formatted(self) -> None:
-        if (self.paths.kafka_data / "meta.properties").is_file():
+    def formatted(self) -> bool:
+        return (self.data / "meta.properties").is_file()
+
+    def ensure_formatted(self, cluster_id: str | None = None) -> None:
+        if self.formatted():
             return
-        cluster_id = new_cluster_id()
-        self.paths.kafka_data.mkdir(parents=True, exist_ok=True)
+        cluster_id = cluster_id or new_cluster_id()
+        self.data.mkdir(parents=True, exist_ok=True)
         run(
             self._java_cmd("kafka.tools.StorageTool", "format", "-t", cluster_id,
-                           "-c", str(self.paths.kafka_conf), "--ignore-formatted"),
+                           "-c", str(self.conf), "--ignore-formatted"),
             log=self.paths.logs / "kafka-format.log", timeout=120,
             what="formatting Kafka storage",
         )
@@ -299,81 +371,85 @@ class Kafka:
     def pid(self) -> int | None:
         """The pid of the broker this stack started, if it still runs."""
         try:
-            pid = int(self.paths.kafka_pid.read_text().strip())
+            pid = int(self.pid_file.read_text().strip())
         except (OSError, ValueError):
             return None
-        if pid_alive(pid) and "kafka.Kafka" in pid_cmdline(pid) and str(self.paths.kafka_conf) in pid_cmdline(pid):
+        if pid_alive(pid) and "kafka.Kafka" in pid_cmdline(pid) and str(self.conf) in pid_cmdline(pid):
             return pid
         return None
 
-    def ready(self) -> bool:
+    def ready(self, brokers: int = 1) -> bool:
+        """The broker answers metadata requests, listing at least ``brokers`` brokers."""
         from confluent_kafka.admin import AdminClient
 
-        if not port_open(self.settings.kafka_port):
+        if not port_open(self.port):
             return False
         try:
             md = AdminClient({"bootstrap.servers": self.address, "socket.timeout.ms": 2000}).list_topics(timeout=3)
         except Exception:
             return False
-        return bool(md.brokers)
+        return len(md.brokers) >= max(1, brokers)
+
+    def spawn(self, say: Callable[[str], None]) -> int:
+        """Start the broker's JVM (its config written, its storage formatted); return its pid."""
+        if port_open(self.port):
+            raise StackError(
+                f"port {self.port} is taken by another process; stop it or set "
+                "KVFLOW_STACK_KAFKA_PORT" + ("" if self.brokers == 1 else " / KVFLOW_STACK_KAFKA_PORTS")
+            )
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.write_config()
+        self.ensure_formatted()
+        say(f"starting Apache Kafka (KRaft) broker {self.node_id} on {self.address}…")
+        # NOTE: posix_spawn with setsid, not Popen: the broker outlives this process (it is
+        # stopped by `down`, through its pid file) and must not die with our terminal.
+        heap = self.settings.kafka_heap if self.brokers == 1 else self.settings.kafka_cluster_heap
+        argv = self._java_cmd("kafka.Kafka", str(self.conf), heap=heap)
+        stdout = str(self.log_dir / "stdout.log")
+        pid = os.posix_spawn(argv[0], argv, dict(os.environ), setsid=True, file_actions=[
+            (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
+            (os.POSIX_SPAWN_OPEN, 1, stdout, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644),
+            (os.POSIX_SPAWN_DUP2, 1, 2),
+        ])
+        self.pid_file.write_text(str(pid))
+        return pid
+
+    def check_exited(self, pid: int) -> None:
+        """Raise StackError if the broker we spawned has exited."""
+        with contextlib.suppress(ChildProcessError):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                raise StackError(
+                    f"Kafka broker {self.node_id} exited with status {os.waitstatus_to_exitcode(status)}; see "
+                    f"{self.log_dir}:\n" + tail(self.log_dir / "server.log")
+                )
 
     def up(self, say: Callable[[str], None]) -> str:
         if self.pid() is not None:
             if not wait_until(self.ready, self.settings.start_timeout_s):
                 raise StackError(f"Kafka (pid {self.pid()}) runs but does not answer on {self.address}")
             return "already running"
-        if port_open(self.settings.kafka_port):
-            raise StackError(
-                f"port {self.settings.kafka_port} is taken by another process; stop it or set "
-                "KVFLOW_STACK_KAFKA_PORT"
-            )
         self._java()
         self.ensure_jars(say)
-        self.paths.kafka.mkdir(parents=True, exist_ok=True)
-        (self.paths.logs / "kafka").mkdir(parents=True, exist_ok=True)
-        self.write_config()
-        self.ensure_formatted()
-        say(f"starting Apache Kafka (KRaft) on {self.address}…")
-        # NOTE: posix_spawn with setsid, not Popen: the broker outlives this process (it is
-        # stopped by `down`, through its pid file) and must not die with our terminal.
-        argv = self._java_cmd("kafka.Kafka", str(self.paths.kafka_conf), heap=self.settings.kafka_heap)
-        stdout = str(self.paths.logs / "kafka" / "stdout.log")
-        pid = os.posix_spawn(argv[0], argv, dict(os.environ), setsid=True, file_actions=[
-            (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
-            (os.POSIX_SPAWN_OPEN, 1, stdout, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644),
-            (os.POSIX_SPAWN_DUP2, 1, 2),
-        ])
-        self.paths.kafka_pid.write_text(str(pid))
+        pid = self.spawn(say)
 
         def ok() -> bool:
-            with contextlib.suppress(ChildProcessError):
-                done, status = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    raise StackError(
-                        f"Kafka exited with status {os.waitstatus_to_exitcode(status)}; see "
-                        f"{self.paths.logs / 'kafka'}:\n" + tail(self.paths.logs / "kafka" / "server.log")
-                    )
+            self.check_exited(pid)
             return self.ready()
 
         if not wait_until(ok, self.settings.start_timeout_s, interval=0.5):
             raise StackError(f"Kafka did not answer on {self.address} within "
-                             f"{self.settings.start_timeout_s:.0f} s; see {self.paths.logs / 'kafka'}")
+                             f"{self.settings.start_timeout_s:.0f} s; see {self.log_dir}")
         return "started"
 
     def ensure_topics(self) -> None:
         """kvflow's topics (kv-events, node-stats, …) with their default names and settings."""
-        from eventbus.config import KafkaSettings
-        from eventbus.kafka import ensure_topics
-
-        try:
-            ensure_topics(KafkaSettings(bootstrap=self.address))
-        except Exception as exc:  # a broker that answers metadata but not admin requests
-            raise StackError(f"creating kvflow's topics on {self.address} failed: {exc}") from exc
+        ensure_stack_topics(self.address, self.brokers)
 
     def down(self) -> str:
         pid = self.pid()
         if pid is None:
-            self.paths.kafka_pid.unlink(missing_ok=True)
+            self.pid_file.unlink(missing_ok=True)
             return "not running"
         os.kill(pid, signal.SIGTERM)
         if not wait_until(lambda: not pid_alive(pid), 60):
@@ -381,8 +457,161 @@ class Kafka:
             wait_until(lambda: not pid_alive(pid), 10)
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
-        self.paths.kafka_pid.unlink(missing_ok=True)
+        self.pid_file.unlink(missing_ok=True)
         return f"stopped (pid {pid})"
+
+
+def broker_port(s: StackSettings, node_id: int, *, controller: bool = False) -> int:
+    """Broker ``node_id``'s (1-based) client or controller port: from the explicit lists, else
+    the base port + 2 × (node_id - 1) (9092, 9094, 9096; controllers 9093, 9095, 9097)."""
+    ports = s.kafka_controller_ports if controller else s.kafka_ports
+    if len(ports) >= node_id:
+        return ports[node_id - 1]
+    return (s.kafka_controller_port if controller else s.kafka_port) + 2 * (node_id - 1)
+
+
+def replication_factor(brokers: int) -> int:
+    """Replicas of each topic: 3, or every broker of a smaller cluster."""
+    return min(3, brokers)
+
+
+def min_insync_replicas(brokers: int) -> int:
+    """Replicas that must have a write before it is acknowledged (acks=all): 2 of 3, else 1."""
+    return 2 if brokers >= 3 else 1
+
+
+def ensure_stack_topics(bootstrap: str, brokers: int) -> None:
+    """kvflow's topics with their default names, replicated over the cluster (``replication_factor``;
+    ``min.insync.replicas`` is the brokers' default, set in their config)."""
+    from eventbus.config import KafkaSettings
+    from eventbus.kafka import ensure_topics
+
+    try:
+        ensure_topics(KafkaSettings(bootstrap=bootstrap, replication_factor=replication_factor(brokers)))
+    except Exception as exc:  # a broker that answers metadata but not admin requests
+        raise StackError(f"creating kvflow's topics on {bootstrap} failed: {exc}") from exc
+
+
+class KafkaCluster:
+    """The stack's brokers: one, or a KRaft cluster of ``n`` combined broker+controller nodes.
+
+    The size is fixed when the storage is first formatted (``kafka/brokers``; a stack formatted
+    before clusters existed is one broker): a later ``up`` without a size starts what was
+    formatted, and asking for another size is refused (the controller quorum is in the data).
+    """
+
+    def __init__(self, paths: Paths, settings: StackSettings) -> None:
+        self.paths = paths
+        self.settings = settings
+        n = settings.kafka_brokers or self.formatted_size() or 1
+        self.brokers = [Kafka(paths, settings, i, n) for i in range(1, n + 1)]
+
+    @property
+    def size_file(self) -> Path:
+        return self.paths.kafka / "brokers"
+
+    def formatted_size(self) -> int | None:
+        """The cluster size the storage was formatted for (None: not formatted)."""
+        with contextlib.suppress(OSError, ValueError):
+            return int(self.size_file.read_text().strip())
+        return 1 if (self.paths.kafka_data / "meta.properties").is_file() else None
+
+    @property
+    def size(self) -> int:
+        return len(self.brokers)
+
+    @property
+    def address(self) -> str:
+        """The bootstrap list: every broker."""
+        return ",".join(b.address for b in self.brokers)
+
+    def ready(self) -> bool:
+        return all(b.ready(self.size) for b in self.brokers)
+
+    def up(self, say: Callable[[str], None]) -> str:
+        """Start every broker that does not run and wait until each answers and sees the others.
+
+        If that fails or is interrupted (a stop signal, Ctrl-C), the brokers this call started
+        are stopped again: a partial cluster is never left behind."""
+        formatted = self.formatted_size()
+        if formatted is not None and formatted != self.size:
+            raise StackError(
+                f"the Kafka storage in {self.paths.kafka} is formatted for {formatted} broker(s), not "
+                f"{self.size}; run `kvflow stack down` and remove {self.paths.kafka}/data (and broker-*), "
+                "or use another KVFLOW_STACK_HOME"
+            )
+        if self.size == 1:
+            return self.brokers[0].up(say)
+        missing = [b for b in self.brokers if b.pid() is None]
+        if not missing:
+            if not wait_until(self.ready, self.settings.start_timeout_s):
+                raise StackError(f"the Kafka cluster runs but does not answer on {self.address}")
+            return "already running"
+        first = self.brokers[0]
+        first._java()
+        first.ensure_jars(say)
+        started: list[tuple[Kafka, int]] = []
+        try:
+            if formatted is None:
+                cluster_id = new_cluster_id()
+                for b in self.brokers:
+                    b.write_config()
+                    b.ensure_formatted(cluster_id)
+                self.size_file.write_text(f"{self.size}\n")
+            # All at once: no broker answers before a quorum of controllers runs.
+            started = [(b, b.spawn(say)) for b in missing]
+
+            def ok() -> bool:
+                for b, pid in started:
+                    b.check_exited(pid)
+                return self.ready()
+
+            if not wait_until(ok, self.settings.start_timeout_s, interval=0.5):
+                raise StackError(f"the Kafka cluster did not answer on {self.address} within "
+                                 f"{self.settings.start_timeout_s:.0f} s; see {self.paths.logs}/kafka*")
+        except BaseException:
+            for b, _pid in started:
+                with contextlib.suppress(Exception):
+                    b.down()
+            raise
+        ids = ", ".join(str(b.node_id) for b, _ in started)
+        return "started" if len(missing) == self.size else f"started broker(s) {ids}"
+
+    def ensure_topics(self) -> None:
+        ensure_stack_topics(self.address, self.size)
+
+    def down(self) -> str:
+        """Stop every broker with a pid file (whatever the size asked for now)."""
+        brokers = list(self.brokers)
+        for d in sorted(self.paths.kafka.glob("broker-*")):
+            with contextlib.suppress(ValueError):
+                k = int(d.name.split("-", 1)[1])
+                if k > self.size:
+                    brokers.append(Kafka(self.paths, self.settings, k, k))
+        if len(brokers) == 1:
+            return brokers[0].down()
+        # NOTE: all at once: stopped one by one, the last brokers wait for a controller quorum that
+        # is gone (a minute each) before they give up their controlled shutdown.
+        pids = [b.pid() for b in brokers]
+        for pid in pids:
+            if pid is not None:
+                os.kill(pid, signal.SIGTERM)
+        results = [f"stopped (pid {pid})" if (r := b.down()) == "not running" and pid is not None else r
+                   for b, pid in zip(brokers, pids, strict=True)]
+        stopped = [f"{b.node_id}: {r}" for b, r in zip(brokers, results, strict=True) if r != "not running"]
+        return "; ".join(stopped) if stopped else "not running"
+
+    def status(self) -> list[ServiceStatus]:
+        out = []
+        for b in self.brokers:
+            pid = b.pid()
+            state = "running" if pid and b.ready() else ("starting" if pid else "stopped")
+            name = "kafka" if self.size == 1 else f"kafka-{b.node_id}"
+            detail = f"logs {b.log_dir}" + ("" if self.size == 1 else
+                                            f", controller :{b.controller_port}, rf {replication_factor(self.size)}"
+                                            f" min.insync {min_insync_replicas(self.size)}")
+            out.append(ServiceStatus(name, state, b.address, pid, detail))
+        return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -593,6 +822,108 @@ class Postgres:
         return f"stopped (pid {pid})"
 
 
+class PostgresReplica:
+    """A streaming standby of the stack's private PostgreSQL, for routers to read from.
+
+    Made once with ``pg_basebackup -R`` (which writes ``standby.signal`` and the
+    ``primary_conninfo`` it streams with: the primary's socket, its superuser, trusted locally),
+    in a folder next to the primary's, on its own port (``KVFLOW_STACK_REPLICA_PORT``). It holds
+    the same roles and data; it is read-only while it is a standby.
+    """
+
+    def __init__(self, primary: Postgres) -> None:
+        self.primary = primary
+        self.settings = primary.settings
+        self.paths = primary.paths
+
+    @property
+    def port(self) -> int:
+        return self.settings.replica_port
+
+    @property
+    def base(self) -> Path:
+        return self.primary.base.parent / f"{self.primary.base.name}-replica"
+
+    @property
+    def data(self) -> Path:
+        return self.base / "data"
+
+    @property
+    def log(self) -> Path:
+        return self.base / "postgres.log"
+
+    def made(self) -> bool:
+        return (self.data / "standby.signal").is_file() or (self.data / "PG_VERSION").is_file()
+
+    def running(self) -> bool:
+        if not (self.data / "PG_VERSION").is_file():
+            return False
+        p = self.primary
+        proc = subprocess.run(p._as_pg([p._bin("pg_ctl"), "-D", str(self.data), "status"]),
+                              capture_output=True, text=True, check=False)
+        return proc.returncode == 0
+
+    def pid(self) -> int | None:
+        try:
+            return int((self.data / "postmaster.pid").read_text().splitlines()[0])
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def ready(self) -> bool:
+        proc = subprocess.run(
+            [self.primary._bin("pg_isready"), "-h", "localhost", "-p", str(self.port), "-t", "2"],
+            capture_output=True, text=True, check=False,
+        )
+        return proc.returncode == 0
+
+    @property
+    def reader_url(self) -> str:
+        return f"postgresql+asyncpg://kvflow_reader:kvflow_reader@localhost:{self.port}/kvflow"
+
+    def _base_backup(self, say: Callable[[str], None]) -> None:
+        p = self.primary
+        say(f"copying the primary into a standby in {self.data} (pg_basebackup)…")
+        shutil.rmtree(self.base, ignore_errors=True)
+        self.base.mkdir(parents=True)
+        if is_root():
+            pw = pwd.getpwnam(PG_OS_USER)
+            os.chown(self.base, pw.pw_uid, pw.pw_gid)
+        self.base.chmod(0o700)
+        run(p._as_pg([p._bin("pg_basebackup"), "-h", str(p.sockets), "-p", str(p.port), "-U", "postgres",
+                      "-D", str(self.data), "-R", "-X", "stream", "-c", "fast"]),
+            log=self.paths.logs / "postgres-replica.log", timeout=600, what="pg_basebackup")
+
+    def up(self, say: Callable[[str], None]) -> str:
+        if self.primary.external_url:
+            raise StackError("--replica needs the stack's own PostgreSQL (KVFLOW_DATABASE_URL is set)")
+        if self.running():
+            if not wait_until(self.ready, self.settings.start_timeout_s):
+                raise StackError(f"the PostgreSQL standby runs in {self.data} but does not answer on {self.port}")
+            return "already running"
+        if port_open(self.port):
+            raise StackError(f"port {self.port} is taken by another process; stop it or set KVFLOW_STACK_REPLICA_PORT")
+        if not (self.data / "PG_VERSION").is_file():
+            self._base_backup(say)
+        p = self.primary
+        say(f"starting the PostgreSQL standby on localhost:{self.port}…")
+        run(p._as_pg([p._bin("pg_ctl"), "-D", str(self.data), "-l", str(self.log), "-o", f"-p {self.port}",
+                      "-w", "-t", str(int(self.settings.start_timeout_s)), "start"]),
+            log=self.paths.logs / "postgres-replica.log", timeout=self.settings.start_timeout_s + 10,
+            what="starting the PostgreSQL standby")
+        if not wait_until(self.ready, self.settings.start_timeout_s):
+            raise StackError(f"the PostgreSQL standby did not answer on port {self.port}; see {self.log}")
+        return "started"
+
+    def down(self) -> str:
+        if not self.running():
+            return "not running"
+        pid = self.pid()
+        p = self.primary
+        run(p._as_pg([p._bin("pg_ctl"), "-D", str(self.data), "-m", "fast", "-w", "-t", "60", "stop"]),
+            log=self.paths.logs / "postgres-replica.log", timeout=90, what="stopping the PostgreSQL standby")
+        return f"stopped (pid {pid})"
+
+
 # --------------------------------------------------------------------------------------------
 # The stack
 
@@ -607,15 +938,17 @@ class ServiceStatus:
 
 
 class Stack:
-    """Kafka and PostgreSQL for development, tests, CI and the demo."""
+    """Kafka (one broker or a cluster), PostgreSQL and its optional standby, for development,
+    tests, CI and the demo."""
 
     def __init__(self, settings: StackSettings | None = None) -> None:
         self.settings = settings or StackSettings()
         project = project_dir()
         home = self.settings.home or project / ".kvflow"
         self.paths = Paths(project=project, home=home.resolve())
-        self.kafka = Kafka(self.paths, self.settings)
+        self.kafka = KafkaCluster(self.paths, self.settings)
         self.postgres = Postgres(self.paths, self.settings)
+        self.replica = PostgresReplica(self.postgres)
 
     @property
     def database_url(self) -> str:
@@ -623,9 +956,27 @@ class Stack:
             f"postgresql+asyncpg://kvflow:kvflow@localhost:{self.settings.postgres_port}/kvflow"
         )
 
+    @property
+    def wants_replica(self) -> bool:
+        """A standby is asked for (``--replica``), or was made before and not declined."""
+        if self.settings.replica is not None:
+            return self.settings.replica
+        return not self.postgres.external_url and self.replica.made()
+
+    @property
+    def reader_url(self) -> str:
+        """Where routers read: the standby when there is one, else the primary's read-only role."""
+        if self.wants_replica:
+            return self.replica.reader_url
+        return os.environ.get("KVFLOW_DATABASE_READER_URL") or (
+            f"postgresql+asyncpg://kvflow_reader:kvflow_reader@localhost:{self.settings.postgres_port}/kvflow"
+        )
+
     def up(self, say: Callable[[str], None] = lambda _m: None) -> dict[str, str]:
         self.paths.logs.mkdir(parents=True, exist_ok=True)
         result = {"postgres": self.postgres.up(say)}
+        if self.wants_replica:
+            result["replica"] = self.replica.up(say)
         result["kafka"] = self.kafka.up(say)
         self.kafka.ensure_topics()
         return result
@@ -633,32 +984,43 @@ class Stack:
     def down(self) -> dict[str, str]:
         errors: list[str] = []
         result: dict[str, str] = {}
-        for name, svc in (("kafka", self.kafka), ("postgres", self.postgres)):
+        services: list[tuple[str, KafkaCluster | Postgres | PostgresReplica]] = [("kafka", self.kafka)]
+        if self.replica.made():
+            services.append(("replica", self.replica))
+        services.append(("postgres", self.postgres))
+        for name, svc in services:
             try:
                 result[name] = svc.down()
-            except StackError as exc:  # stop the other one anyway
+            except StackError as exc:  # stop the others anyway
                 errors.append(str(exc))
         if errors:
             raise StackError("; ".join(errors))
         return result
 
     def status(self) -> list[ServiceStatus]:
-        kpid = self.kafka.pid()
-        kafka_state = "running" if kpid and self.kafka.ready() else ("starting" if kpid else "stopped")
-        out = [ServiceStatus("kafka", kafka_state, self.kafka.address, kpid,
-                             f"logs {self.paths.logs / 'kafka'}")]
+        out = self.kafka.status()
         if self.postgres.external_url:
             out.append(ServiceStatus("postgres", "external", redact_url(self.postgres.external_url), None,
                                      "KVFLOW_DATABASE_URL"))
-        else:
+            return out
+        try:
+            running = self.postgres.running()
+        except StackError:
+            running = False
+        out.append(ServiceStatus(
+            "postgres", "running" if running and self.postgres.ready() else "stopped",
+            f"localhost:{self.settings.postgres_port}", self.postgres.pid() if running else None,
+            f"data {self.postgres.data}",
+        ))
+        if self.wants_replica:
             try:
-                running = self.postgres.running()
+                standby = self.replica.running()
             except StackError:
-                running = False
+                standby = False
             out.append(ServiceStatus(
-                "postgres", "running" if running and self.postgres.ready() else "stopped",
-                f"localhost:{self.settings.postgres_port}", self.postgres.pid() if running else None,
-                f"data {self.postgres.data}",
+                "postgres-replica", "running" if standby and self.replica.ready() else "stopped",
+                f"localhost:{self.replica.port}", self.replica.pid() if standby else None,
+                f"standby of :{self.postgres.port}, data {self.replica.data}",
             ))
         return out
 

@@ -118,3 +118,24 @@ def test_vllm_override_adds_an_engine_and_its_bridge():
     assert services["bridge-vllm"]["environment"]["KVFLOW_BRIDGE_ENGINE_API_KEY"] == "nodekey"
     missing = _compose("-f", "docker-compose.yml", "-f", "docker-compose.vllm.yml", "config", env=SECRETS)
     assert missing.returncode != 0 and "VLLM_MODEL" in missing.stderr
+
+
+def test_cluster_override_runs_three_brokers_with_three_replicas_and_two_in_sync():
+    proc = _compose("-f", "docker-compose.yml", "-f", "docker-compose.cluster.yml", "--profile", "gpu", "config",
+                    "--format", "json", env=SECRETS)
+    assert proc.returncode == 0, proc.stderr
+    services = json.loads(proc.stdout)["services"]
+    brokers = [services[n]["environment"] for n in ("kafka", "kafka-2", "kafka-3")]
+    assert [b["KAFKA_NODE_ID"] for b in brokers] == ["1", "2", "3"]
+    assert {b["KAFKA_CONTROLLER_QUORUM_VOTERS"] for b in brokers} == {"1@kafka:9093,2@kafka-2:9093,3@kafka-3:9093"}
+    assert {b["KAFKA_MIN_INSYNC_REPLICAS"] for b in brokers} == {"2"}
+    assert {b["KAFKA_DEFAULT_REPLICATION_FACTOR"] for b in brokers} == {"3"}
+    assert len({b["CLUSTER_ID"] for b in brokers}) == 1
+    assert [b["KAFKA_ADVERTISED_LISTENERS"] for b in brokers] == [
+        "PLAINTEXT://kafka:9092", "PLAINTEXT://kafka-2:9092", "PLAINTEXT://kafka-3:9092"]
+    for name in ("topics", "materializer", "node-a", "node-b", "node-gpu"):
+        assert services[name]["environment"]["KVFLOW_KAFKA_BOOTSTRAP"] == "kafka:9092,kafka-2:9092,kafka-3:9092", name
+    assert services["topics"]["environment"]["KVFLOW_KAFKA_REPLICATION_FACTOR"] == "3"
+    assert {"kafka", "kafka-2", "kafka-3"} <= set(services["topics"]["depends_on"])
+    # The writer's credentials stay where they were.
+    assert "KVFLOW_DATABASE_URL" in services["materializer"]["environment"]
