@@ -42,6 +42,7 @@ from kvflow.sim.routing import (
     stretch,
 )
 from kvflow.sim.workloads import GENERATORS, SimRequest, mooncake
+from kvflow.traces import belady_hit_rate
 
 
 def run_sim(*, trace: str | None = None, nodes: int = 8, capacities: tuple[int, ...] = (500, 1000, 2000),
@@ -92,12 +93,16 @@ def run_sim(*, trace: str | None = None, nodes: int = 8, capacities: tuple[int, 
         rows.append(b)
         curves["belady"].append(b.hit_rate)
 
-    # 5. Generators x eviction.
+    # 5. Generators x eviction (the core's policies, then ARC, S3-FIFO and Belady on the same keys).
     gen_table: dict[str, dict[str, float]] = {}
     for name, gen in GENERATORS.items():
         reqs = sp if name == "system_prompt" else gen(generator_requests)
         gen_table[name] = {ev: sim(reqs, nodes=1, capacity=system_prompt_capacity, routing="pooled", eviction=ev,
                                    workload=name).hit_rate for ev in ("lru", "priority", "adaptive")}
+        keys = [r.keys for r in reqs]
+        gen_table[name]["arc"] = arc_hit_rate(keys, system_prompt_capacity).hit_rate
+        gen_table[name]["s3fifo"] = s3fifo_hit_rate(keys, system_prompt_capacity).hit_rate
+        gen_table[name]["belady"] = belady_hit_rate(keys, system_prompt_capacity).hit_rate
 
     res.details.update({
         "nodes": nodes, "capacities": list(capacities), "reference_capacity": ref,
@@ -132,9 +137,11 @@ def markdown_report(res: BenchResult, study: RoutingStudy, capacities: tuple[int
     for i, cap in enumerate(curve_capacities):
         lines.append(f"| {cap:,} | " + " | ".join(f"{curves[k][i]:.4f}" for k in curves) + " |")
     lines += ["", f"## Generated workloads, one node of {sp_cap} blocks", "",
-              "| workload | lru | priority | adaptive |", "| --- | ---: | ---: | ---: |"]
+              "| workload | lru | priority | adaptive | arc | s3fifo | belady |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, row in gen_table.items():
-        lines.append(f"| {name} | {row['lru']:.4f} | {row['priority']:.4f} | {row['adaptive']:.4f} |")
+        lines.append(f"| {name} | " + " | ".join(f"{row[k]:.4f}" for k in
+                                                 ("lru", "priority", "adaptive", "arc", "s3fifo", "belady")) + " |")
     return "\n".join(lines) + "\n"
 
 
