@@ -132,6 +132,11 @@ def build_app(kafka: KafkaSettings | None = None, db: DatabaseSettings | None = 
             for e in events:
                 await stream.ack(e)
 
+    @app.on_partitions_revoked.connect
+    async def on_revoked(sender: Any, /, *args: Any, signal: Any, **kwargs: Any) -> None:
+        revoked = args[0] if args else kwargs.get("revoked", ())
+        mat.partitions_revoked(sum(1 for tp in revoked if tp.topic == kafka.events_topic))
+
     @app.timer(interval=1.0)
     async def liveness() -> None:
         await mat.liveness()

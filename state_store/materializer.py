@@ -125,6 +125,7 @@ class Materializer:
         self.db_ok = False
         self.last_commit = 0.0
         self._db_ok_at: float | None = None  # monotonic time of the last database round trip
+        self._stale_caches_counted = 0  # of pipeline.stale_caches, in the metric
         native = settings.native and state_store.native.available()
         log.info("planning: %s", "compiled hot path (kvflow_native) and Python" if native else "Python")
         self.pipeline = EventsPipeline(writer, self, native=native, batch_max=settings.batch_max)
@@ -371,6 +372,20 @@ class Materializer:
         self._database_answered()
         return None
 
+    def partitions_revoked(self, revoked: int) -> None:
+        """A rebalance took ``revoked`` partitions from this worker (faust calls this once the
+        takes of its partitions were written). Another worker writes their nodes now, so the
+        cache of them is dropped: the plans made from it before (the assignment's generation)
+        are never written as planned, and the next takes load what the database holds."""
+        if revoked <= 0:
+            return
+        log.info("rebalance: %d partitions revoked; dropping the cache of their nodes", revoked)
+        self.metrics.revocations.inc()
+        self.pipeline.planner.invalidate()
+
     def metrics_text(self) -> bytes:
         """``/metrics``: Prometheus' text format."""
+        stale = self.pipeline.stale_caches
+        self.metrics.stale_caches.inc(stale - self._stale_caches_counted)
+        self._stale_caches_counted = stale
         return self.metrics.exposition()

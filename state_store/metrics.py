@@ -39,6 +39,11 @@ class Metrics:
         self.takes = Counter("kvflow_materializer_takes_total", "Takes written, by who planned them "
                              "(compiled: the hot path alone; parts: it and the reference planner; python)",
                              ["planner"], registry=r)
+        self.stale_caches = Counter(
+            "kvflow_materializer_stale_caches_total", "Takes planned from a cache the database had moved past "
+            "(another worker wrote the nodes: a rebalance), replanned from the database", registry=r)
+        self.revocations = Counter("kvflow_materializer_partitions_revoked_total",
+                                   "Rebalances that took partitions from this worker (its cache dropped)", registry=r)
         self.last_commit = Gauge("kvflow_materializer_last_commit_timestamp_seconds", "Unix time of the last commit",
                                  registry=r)
 

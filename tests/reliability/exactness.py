@@ -40,10 +40,10 @@ def assert_exact(db: str, node: CoreNode, rec: Recorder, k: KafkaSettings) -> No
 
 
 class Publishing:
-    """Steps the node continuously in a thread (a steady stream of batches) until stopped."""
+    """Steps the nodes continuously in a thread (a steady stream of batches) until stopped."""
 
-    def __init__(self, node: CoreNode, pause_s: float = 0.002) -> None:
-        self.node = node
+    def __init__(self, *nodes: CoreNode, pause_s: float = 0.002) -> None:
+        self.nodes = nodes
         self.pause_s = pause_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -52,7 +52,8 @@ class Publishing:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                self.node.step()
+                for node in self.nodes:
+                    node.step()
                 self._stop.wait(self.pause_s)
         except BaseException as exc:  # surfaced by stop()
             self.error = exc
