@@ -16,15 +16,19 @@ This module only assembles the app: the endpoints are ``routing_api.routes``, wh
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
+from pydantic import SecretStr
+from sqlalchemy.engine import make_url
 from starlette.exceptions import HTTPException
 
-from eventbus.config import Environment, RuntimeSettings
+from eventbus.config import Environment, RuntimeSettings, check_secret
 from eventbus.http import BodyLimit
 from routing_api.config import RouterSettings, parse_api_keys
 from routing_api.errors import Unavailable, on_http, on_invalid, on_unavailable
@@ -59,14 +63,24 @@ def create_app(settings: RouterSettings | None = None, database_url: str | None 
     if database_url is None:
         db.check(env, writer=False)  # it only reads
     url = database_url or db.reader()
+    if s.primary_reader_url is not None and database_url is None:
+        pw = make_url(s.primary_reader_url.get_secret_value()).password
+        check_secret("the password in KVFLOW_ROUTER_PRIMARY_READER_URL", SecretStr(pw) if pw else None, env)
     metrics = Metrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state = app.state.router = RouterState.open(s, keys, url, db, metrics)
+        lag = None
+        if state.replication is not None:  # the standby's lag, and the reader to use (routing_api/replica.py)
+            lag = asyncio.ensure_future(state.replication.run(s.replica_check_s, state.use_reader))
         try:
             yield
         finally:
+            if lag is not None:
+                lag.cancel()
+                with contextlib.suppress(BaseException):
+                    await lag
             await state.close()
 
     app = RouterApp(title="kvflow routing API", version="1", lifespan=lifespan,

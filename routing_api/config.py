@@ -58,6 +58,16 @@ class RouterSettings(BaseSettings):
         "How long a model's chat template, fetched from a node, is used before it is fetched again."))
     recent_decisions: int = Field(default=200, ge=1, description="Decisions kept for the dashboard.")
     max_request_bytes: int = Field(default=4 * 1024 * 1024, description="Largest request body accepted.")
+    # A read replica (KVFLOW_DATABASE_READER_URL on a streaming standby): docs/scaling.md, "Read replicas".
+    primary_reader_url: SecretStr | None = Field(default=None, description=(
+        "The read-only role's URL on the primary, when KVFLOW_DATABASE_READER_URL is a standby: the "
+        "reference of the replication lag, and where the router reads while the standby lags more than "
+        "replica_max_lag_s. None: the lag is measured on the standby alone, and answers are only flagged."))
+    replica_max_lag_s: float = Field(default=2.0, gt=0, description=(
+        "Replication lag beyond which the router reads the primary (primary_reader_url) instead of the standby."))
+    replica_check_s: float = Field(default=1.0, ge=0, description=(
+        "How often the router measures the standby's lag (0: never; a reader that is no standby is "
+        "checked once)."))
 
     def weights(self) -> RoutingWeights:
         """The decision's weights, as set (each ``RoutingWeights`` field has a setting of its name)."""

@@ -23,6 +23,7 @@ from eventbus.tokenizers import Tokenizer, load_tokenizer
 from routing_api.config import ApiKey, RouterSettings
 from routing_api.fleet import FleetView, fleet_view
 from routing_api.queries import StateReader
+from routing_api.replica import ReplicaMetrics, ReplicaMonitor, primary_reader
 from routing_api.scoring import Decision, Finished, RoutingWeights
 from routing_api.templates import ChatTemplates
 from state_store.config import DatabaseSettings
@@ -60,6 +61,7 @@ class Metrics:
                               registry=r)
         self.degraded = Counter("kvflow_router_degraded_decisions", "Decisions made without PostgreSQL "
                                 "(the last known fleet, by load alone)", registry=r)
+        self.replica = ReplicaMetrics(r)
 
     def record_decision(self, decision: Decision, prompt_blocks: int, elapsed_s: float) -> None:
         """Count one decision: its time, the prompt's blocks, and the choice with its cached blocks
@@ -122,6 +124,8 @@ class RouterState:
     upstream_errors: int = 0
     started: float = field(default_factory=time.time)
     rng: random.Random = field(default_factory=random.Random)
+    #: the standby's lag and the reader to use (None: replica_check_s = 0)
+    replication: ReplicaMonitor | None = None
 
     def __post_init__(self) -> None:
         if self.templates is None:
@@ -148,13 +152,26 @@ class RouterState:
                                    limits=httpx.Limits(max_connections=512, max_keepalive_connections=128))
         reader = StateReader(database_url, s.nodes_cache_s, pool_size=db.pool_size,
                              statement_timeout_ms=db.statement_timeout_ms)
+        monitor = None
+        if s.replica_check_s > 0:
+            primary = primary_reader(s.primary_reader_url.get_secret_value() if s.primary_reader_url else None, reader)
+            monitor = ReplicaMonitor(reader, primary, s.replica_max_lag_s, metrics.replica)
         return cls(s, reader, load_tokenizer(s.tokenizer_dir), s.weights(), keys, client, metrics=metrics,
-                   fleet=FleetCache(s.block_size), recent=collections.deque(maxlen=s.recent_decisions))
+                   fleet=FleetCache(s.block_size), recent=collections.deque(maxlen=s.recent_decisions),
+                   replication=monitor)
+
+    def use_reader(self, reader: StateReader) -> None:
+        """Read from ``reader`` from now on (the standby, or the primary while the standby lags)."""
+        self.reader = reader
 
     async def close(self) -> None:
         """Close the HTTP client, then the database connections."""
         await self.client.aclose()
-        await self.reader.close()
+        if self.replication is not None:
+            await self.replication.replica.close()
+            await self.replication.close()
+        else:
+            await self.reader.close()
 
     def record_decision(self, decision: Decision, prompt_blocks: int, prompt_tokens: int, matched_tokens: int,
                         elapsed_s: float) -> None:

@@ -64,6 +64,7 @@ async def stats(state: State, _: ApiKey | None = scope("read")) -> dict[str, Any
             "inflight": {k: asdict(v) for k, v in state.inflight.items() if v.requests},
             "uptime_s": round(time.time() - state.started, 1), "weights": asdict(state.weights),
             "tokenizer": state.tokenizer.name, "chat_templates": state.templates.describe(),
+            "replication": state.replication.state.json() if state.replication is not None else None,
             "recent_decisions": list(state.recent)[:20]}
 
 
