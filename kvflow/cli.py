@@ -282,12 +282,16 @@ def events_tail(
 
 
 @bench_app.command("pipeline")
-def bench_pipeline_cmd(json_path: JsonOpt = None, quick: QuickOpt = False) -> None:
+def bench_pipeline_cmd(json_path: JsonOpt = None, quick: QuickOpt = False,
+                       workers: Annotated[int, typer.Option(
+                           "--workers", min=1, max=6,
+                           help="Also a group of this many workers, in the same run (figures."
+                                "events_per_s_2_workers, ratios.two_workers_vs_one for 2).")] = 1) -> None:
     """Block events/s from Kafka into PostgreSQL (one worker) vs raw COPY; freshness at 10k events/s."""
     from kvflow.bench.pipeline import bench_pipeline
 
     kw: dict[str, Any] = {"nodes": 2, "requests_per_node": 300, "freshness_s": 3.0, "rounds": 1} if quick else {}
-    _run_bench("pipeline", json_path, lambda say: bench_pipeline(say=say, **kw))
+    _run_bench("pipeline", json_path, lambda say: bench_pipeline(say=say, workers=workers, **kw))
 
 
 @app.command("node")
@@ -466,8 +470,19 @@ def router_cmd(
 
 
 @bench_app.command("route")
-def bench_route_cmd(json_path: JsonOpt = None, quick: QuickOpt = False) -> None:
+def bench_route_cmd(json_path: JsonOpt = None, quick: QuickOpt = False,
+                    fleet: Annotated[int | None, typer.Option(
+                        "--fleet", min=32,
+                        help="Instead: the decision's p50/p99 as node_blocks grows, 32 x 50k, N x 50k and "
+                             "N x 200k blocks in one run (N=128: 1.6M, 6.4M, 25.6M rows; --quick: blocks / 50), "
+                             "figures.p50_ms_by_rows.")] = None) -> None:
     """Routing decisions through the HTTP API (32 nodes x 50k blocks) vs the bare SQL query."""
+    if fleet is not None:
+        from kvflow.bench.fleet import bench_fleet
+
+        fkw: dict[str, Any] = {"requests": 200, "prompts": 16} if quick else {}
+        _run_bench("route", json_path, lambda say: bench_fleet(top_nodes=fleet, quick=quick, say=say, **fkw))
+        return
     from kvflow.bench.route import bench_route
 
     kw: dict[str, Any] = {"nodes": 4, "blocks_per_node": 2000, "prompts": 16, "requests": 200} if quick else {}

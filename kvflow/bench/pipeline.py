@@ -12,20 +12,27 @@
 3. Freshness. With the worker caught up, batches are produced at a steady 10k block events/s;
    for each row, ``ingested_at - event_ts`` (the node's publish time to the row's insert by the
    materializer, on this machine's one clock), p50 and p99.
+4. ``workers=2``: in each round, the same stream (node ids of its own again) also through a group of
+   two workers on topics of their own, into the same database (``figures.events_per_s_2_workers``,
+   ``ratios.two_workers_vs_one``). On one machine the two workers share its cores (and PostgreSQL's):
+   the ratio says what a second worker costs in coordination and contention here, not the scale-up
+   of workers on machines of their own (docs/scaling.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import asyncpg
+import httpx
 import msgspec
 from confluent_kafka import Producer
 
@@ -37,6 +44,7 @@ from inference_node.publisher import InMemorySink, Publisher
 from kvflow.bench.harness import BenchResult, Samples, percentile
 from kvflow.bench.kv import synthetic_stream
 from kvflow.bench.scratch import scratch_database
+from kvflow.stack import free_port
 from kvflow.supervise import kvflow_argv, spawn_child, stop_groups
 from state_store.apply import plan
 from state_store.config import DatabaseSettings, plain_dsn
@@ -143,9 +151,66 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
     stop_groups([proc], 30)
 
 
+class WorkerGroup:
+    """``n`` materializer workers in one consumer group, on topics of their own, into ``url``."""
+
+    def __init__(self, base: KafkaSettings, url: str, n: int, log: Path) -> None:
+        suffix = uuid.uuid4().hex[:8]
+        self.k = base.model_copy(update={"events_topic": f"bench-events-{suffix}",
+                                         "stats_topic": f"bench-stats-{suffix}", "dlq_topic": f"bench-dlq-{suffix}",
+                                         "control_topic": f"bench-control-{suffix}"})
+        self.url, self.n, self.log = url, n, log
+        self.group = f"bench-group-{suffix}"
+        self.ports = [free_port() for _ in range(n)]
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def assigned(self) -> list[int]:
+        """The partitions each worker has now (-1: it does not answer yet)."""
+        out = []
+        for port in self.ports:
+            try:
+                out.append(int(httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).json()["partitions_assigned"]))
+            except (httpx.HTTPError, ValueError, KeyError):
+                out.append(-1)
+        return out
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[WorkerGroup]:
+        """Start the workers, wait until they share every partition, warm them up; stop them after."""
+        ensure_topics(self.k)
+        total = sum(t.partitions for t in topic_specs(self.k) if t.name in (self.k.events_topic, self.k.stats_topic))
+        try:
+            self.procs = [_materializer(self.k, self.url, self.log, KVFLOW_MATERIALIZER_GROUP_ID=self.group,
+                                        KVFLOW_MATERIALIZER_WEB_PORT=str(port)) for port in self.ports]
+            deadline = time.monotonic() + 120
+            while not ((a := self.assigned()) and min(a) > 0 and sum(a) == total):
+                if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
+                    raise RuntimeError(f"the {self.n} workers did not share the partitions ({a}); see {self.log}")
+                time.sleep(0.2)
+            warm = make_batches(4, 10, seed=6)
+            for b in warm:
+                b.node_id = NodeId(f"warmup-{self.group}-{b.node_id}")
+            _produce(self.k, warm)
+            _wait(self.url, {b.node_id: b.events[-1].event_id for b in warm}, self.procs, self.log, 120)
+            yield self
+        finally:
+            stop_groups(self.procs, 30)
+            delete_topics(self.k, [t.name for t in topic_specs(self.k)])
+
+    def drain(self, stream: list[EventBatch]) -> float:
+        """Seconds from the first produce of ``stream`` to its last events in ``nodes``."""
+        targets = {b.node_id: b.events[-1].event_id for b in stream}
+        encoded = [(b.node_id.encode(), encode(b)) for b in stream]
+        producer = _ready_producer(self.k)
+        t0 = time.monotonic()
+        _produce_encoded(self.k, encoded, producer)
+        return _wait(self.url, targets, self.procs, self.log, 600) - t0
+
+
 def bench_pipeline(*, nodes: int = 8, requests_per_node: int = 2500, freshness_rate: float = 10_000,
-                   freshness_s: float = 20.0, rounds: int = 3, log_dir: Path | None = None,
+                   freshness_s: float = 20.0, rounds: int = 3, log_dir: Path | None = None, workers: int = 1,
                    say: Callable[[str], None] = lambda _m: None) -> BenchResult:
+    """The figures of the module's docstring; ``workers=2`` adds a group of two workers."""
     res = BenchResult("pipeline")
     base = KafkaSettings()
     suffix = uuid.uuid4().hex[:8]
@@ -176,21 +241,22 @@ def bench_pipeline(*, nodes: int = 8, requests_per_node: int = 2500, freshness_r
                 _produce(k, warm)
                 _wait(url, {NodeId("warmup"): warm[-1].events[-1].event_id}, proc, log, 120)
 
-                # Interleaved rounds, each on node ids of its own (the same stream, renamed), so that
-                # a noisy moment of the machine hits both sides alike; the figures are medians.
-                for r in range(rounds):
-                    stream = [msgspec.structs.replace(b, node_id=f"r{r}-{b.node_id}") for b in batches]
-                    say(f"round {r + 1}/{rounds}: raw COPY of {total:,} rows, then the same stream through "
-                        "Kafka and one worker …")
-                    raw_s.append(raw_ceiling(raw_url, stream)[0])
-                    targets = {b.node_id: b.events[-1].event_id for b in stream}
-                    encoded = [(b.node_id.encode(), encode(b)) for b in stream]
-                    producer = _ready_producer(k)
-                    t0 = time.monotonic()
-                    _produce_encoded(k, encoded, producer)
-                    res.details.setdefault("produce_seconds", []).append(time.monotonic() - t0)
-                    mat_s.append(_wait(url, targets, proc, log, 600) - t0)
+                with contextlib.ExitStack() as stack:
+                    group = None
+                    if workers > 1:
+                        say(f"starting a group of {workers} workers on topics of their own …")
+                        group = stack.enter_context(WorkerGroup(base, url, workers, log).running())
+                    group_s = _rounds(res, k, url, raw_url, proc, log, batches, rounds, group, raw_s, mat_s, say)
                 res.figures["events_per_s"] = total / Samples(mat_s).median
+                if group_s:
+                    res.figures[f"events_per_s_{workers}_workers"] = total / Samples(group_s).median
+                    res.details[f"throughput_seconds_{workers}_workers"] = Samples(group_s).as_dict()
+                    res.ratios["two_workers_vs_one" if workers == 2 else f"workers_{workers}_vs_one"] = (
+                        res.figures[f"events_per_s_{workers}_workers"] / res.figures["events_per_s"])
+                    res.details["workers_note"] = (
+                        f"{workers} workers and one share this machine's {os.cpu_count()} cores and one PostgreSQL: "
+                        "the ratio is the cost of coordination and contention here, not the scale-up of workers "
+                        "on machines of their own")
                 res.baseline["raw_events_per_s"] = total / Samples(raw_s).median
                 res.details["throughput_seconds"] = Samples(mat_s).as_dict()
                 res.details["raw_seconds"] = Samples(raw_s).as_dict()
@@ -210,10 +276,38 @@ def bench_pipeline(*, nodes: int = 8, requests_per_node: int = 2500, freshness_r
     return res
 
 
-def _wait(url: str, targets: Mapping[NodeId, int], proc: subprocess.Popen[bytes], log: Path, timeout: float) -> float:
+def _rounds(res: BenchResult, k: KafkaSettings, url: str, raw_url: str, proc: subprocess.Popen[bytes], log: Path,
+            batches: list[EventBatch], rounds: int, group: WorkerGroup | None, raw_s: list[float],
+            mat_s: list[float], say: Callable[[str], None]) -> list[float]:
+    """Interleaved rounds, each on node ids of its own (the same stream, renamed), so that a noisy
+    moment of the machine hits every side alike (the figures are medians): the raw COPY, one
+    worker, and the group (if any). Returns the group's seconds per round."""
+    total = res.details["block_events"]
+    group_s: list[float] = []
+    for r in range(rounds):
+        stream = [msgspec.structs.replace(b, node_id=f"r{r}-{b.node_id}") for b in batches]
+        say(f"round {r + 1}/{rounds}: raw COPY of {total:,} rows, then the same stream through "
+            f"Kafka and one worker{f', then {group.n} workers' if group else ''} …")
+        raw_s.append(raw_ceiling(raw_url, stream)[0])
+        targets = {b.node_id: b.events[-1].event_id for b in stream}
+        encoded = [(b.node_id.encode(), encode(b)) for b in stream]
+        producer = _ready_producer(k)
+        t0 = time.monotonic()
+        _produce_encoded(k, encoded, producer)
+        res.details.setdefault("produce_seconds", []).append(time.monotonic() - t0)
+        mat_s.append(_wait(url, targets, proc, log, 600) - t0)
+        if group is not None:
+            group_s.append(group.drain([msgspec.structs.replace(b, node_id=f"g{r}-{b.node_id}") for b in batches]))
+    return group_s
+
+
+def _wait(url: str, targets: Mapping[NodeId, int], proc: subprocess.Popen[bytes] | Sequence[subprocess.Popen[bytes]],
+          log: Path, timeout: float) -> float:
     """Poll (one connection, every 50 ms: the poller must not steal the machine from the
     materializer) until every node's last_event_id reached its target; return that time."""
     import json
+
+    procs = [proc] if isinstance(proc, subprocess.Popen) else list(proc)
 
     async def run() -> float:
         conn = await asyncpg.connect(plain_dsn(url))
@@ -224,7 +318,7 @@ def _wait(url: str, targets: Mapping[NodeId, int], proc: subprocess.Popen[bytes]
                                            "(($1::jsonb) ->> node_id)::bigint", json.dumps(targets))
                 if done == len(targets):
                     return time.monotonic()
-                if proc.poll() is not None:
+                if any(p.poll() is not None for p in procs):
                     raise RuntimeError(f"the materializer exited; see {log}")
                 await asyncio.sleep(0.05)
         finally:

@@ -23,7 +23,11 @@ NAMED = {
            "baseline.arc_hit_rate_400", "baseline.s3fifo_hit_rate_400"],
     "node": ["ratios.prefill_speedup_cached_90pct", "figures.prefill_tokens_per_s", "figures.decode_tokens_per_s"],
     "pipeline": ["figures.events_per_s", "baseline.raw_events_per_s", "ratios.vs_raw_ceiling",
-                 "figures.freshness_p50_ms", "figures.freshness_p99_ms"],
+                 "figures.freshness_p50_ms", "figures.freshness_p99_ms",
+                 # --workers 2 (as the smoke test runs it): a group of two workers in the same run
+                 "figures.events_per_s_2_workers", "ratios.two_workers_vs_one"],
+    # bench route --fleet: the decision as node_blocks grows (--quick: 32 x 1k, 128 x 1k, 128 x 4k)
+    "fleet": ["figures.p50_ms_smallest", "figures.p50_ms_largest", "ratios.p50_growth", "ratios.rows_growth"],
     "route": ["figures.p50_ms", "figures.p99_ms", "figures.decisions_per_s", "baseline.sql_p50_ms",
               "figures.multi_turn_cached_share", "baseline.multi_turn_cached_share",
               # a real subword tokenizer (a BPE trained by the bench; --quick: 8,192 ids)
@@ -35,13 +39,19 @@ NAMED = {
 }
 
 
+#: The options each smoke test adds to `bench NAME --quick` ("fleet" is `bench route --fleet 128`).
+ARGS = {"pipeline": ["--workers", "2"], "fleet": ["--fleet", "128"]}
+
+
 def run_bench(name: str, tmp_path, env: dict[str, str] | None = None) -> dict:
     out = tmp_path / f"{name}.json"
-    proc = subprocess.run([sys.executable, "-m", "kvflow.cli", "bench", name, "--quick", "--json", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    command = "route" if name == "fleet" else name
+    proc = subprocess.run([sys.executable, "-m", "kvflow.cli", "bench", command, "--quick", *ARGS.get(name, []),
+                           "--json", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+                          check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads(out.read_text())
-    assert result["benchmark"] == name and result["environment"]["cpus"] >= 1
+    assert result["benchmark"] == command and result["environment"]["cpus"] >= 1
     for path in NAMED[name]:
         section, key = path.split(".")
         value = result[section][key]
@@ -55,12 +65,18 @@ def test_benchmarks_without_services(name, tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("name", ["pipeline", "route", "bridge"])
+@pytest.mark.parametrize("name", ["pipeline", "route", "bridge", "fleet"])
 def test_benchmarks_against_the_stack(name, tmp_path, kafka_settings, migrated_database_url):
     # The benchmark makes its own topics and scratch databases on the stack the fixtures checked.
     result = run_bench(name, tmp_path, {**os.environ, "KVFLOW_KAFKA_BOOTSTRAP": kafka_settings.bootstrap})
     if name == "pipeline":
         assert result["details"]["throughput_seconds"]["n"] == result["details"]["rounds"] == 1
+        assert result["details"]["throughput_seconds_2_workers"]["n"] == 1
+    if name == "fleet":  # three fleets, each table larger, the same decisions
+        steps = result["details"]["steps"]
+        assert [(s["nodes"], s["blocks_per_node"]) for s in steps] == [(32, 1000), (128, 1000), (128, 4000)]
+        assert steps[0]["rows"] < steps[1]["rows"] < steps[2]["rows"]
+        assert set(result["figures"]["p50_ms_by_rows"]) == {str(s["rows"]) for s in steps}
     if name == "bridge" and os.environ.get("KVFLOW_REQUIRE_ENGINES") == "1":  # make test: vLLM's own publisher
         assert result["details"]["publisher"] == "vllm.distributed.kv_events.ZmqEventPublisher"
     if name == "route":  # every multi-turn prompt after the first turn reused its history
