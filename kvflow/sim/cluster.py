@@ -6,20 +6,25 @@ free it. A request's *hit* is the prefix its node holds when it is routed; the b
 cached at once (a request that arrives while an earlier one is still being prefilled finds its
 blocks: the simulator does not model a prefix that is cached but not computed yet).
 
-**Time.** Each node is one FIFO server (requests wait in arrival order, one is served at a time).
-A request's service time is its *uncached* prompt tokens × ``prefill_s_per_token`` (plus its output
-tokens × ``decode_s_per_token``, 0 by default: the simulator judges prefill). So:
+**Time.** Each node prefills on one FIFO server (requests wait in arrival order, one is prefilled at
+a time): a request's prefill takes its *uncached* prompt tokens × ``prefill_s_per_token``. So:
 
-* ``start = max(arrival, the node's previous request's finish)``; the wait is ``start − arrival``;
+* ``start = max(arrival, the node's previous prefill's end)``; the wait is ``start − arrival``;
 * its time to first token is ``TTFT = wait + uncached tokens × prefill_s_per_token``;
-* a node's *load* when a request arrives is what it has in hand: the requests (and their prompt
-  blocks) routed to it that have not finished — the one in service and those waiting. That is what
-  a router knows online (its own in-flight counts); the queue length a node reports (llm-d's
-  queue scorer) is the waiting ones, and its KV usage (vLLM's ``kv_cache_usage_perc``) the blocks
-  of the one in service over its capacity.
+* after its prefill it decodes its output tokens at ``decode_s_per_token`` each (0 by default), in
+  parallel with the node's other work (continuous batching): decoding delays no prefill, but the
+  request stays *in hand* until its last token.
 
-Engines batch prefills (chunked prefill) rather than serve one at a time; a FIFO server has the same
-throughput and the same order, and keeps the comparison between routers simple and exact.
+A node's *load* is what it has in hand when a request arrives: the requests routed to it that have
+not finished (being prefilled, waiting, or decoding) and their prompt blocks. That is what a router
+counts online (its own in-flight requests); the queue a node reports (its heartbeat's
+``queued_requests``, llm-d's queue scorer) is the ones waiting for their prefill, and its KV usage
+(vLLM's ``kv_cache_usage_perc``) the blocks of the running ones (prefilling or decoding) over its
+capacity. The cache itself does not shrink by the blocks of running requests (they are freed at
+once, as before).
+
+Engines batch prefills (chunked prefill) rather than run one at a time; a FIFO server has the same
+throughput and order, and keeps the comparison between routers simple and exact.
 
 **Pooled** is the ceiling: one cache of N × the capacity that every request hits, served by N
 servers from one FIFO queue (a request starts on the first server free): the best hit rate and the
@@ -33,8 +38,9 @@ Routing policies (:data:`ROUTING`):
 * ``dynamo_cost``: the router's cost (:func:`routing_api.scoring.decide`, Dynamo's
   ``overlap × prefill blocks + load blocks`` with kvflow's credits) with the load bound *off*: the
   router's decisions before bounded loads;
-* ``kv_aware_load``: kvflow's router, :func:`routing_api.scoring.decide` exactly, with the router's
-  default weights (bounded loads on) over the nodes' true prefixes and loads;
+* ``kv_aware_load``: kvflow's router, :func:`routing_api.scoring.decide` exactly (bounded loads on),
+  with the weights given (default: the router's; ``kvflow sim``: :data:`kvflow.sim.routing.SIM_WEIGHTS`)
+  over the nodes' true prefixes and the loads the router knows (:class:`RouterPolicy`);
 * ``sglang`` and ``llm_d``: the anchors of :mod:`kvflow.sim.router_anchors`, modelled on SGLang's
   cache-aware router and llm-d's scorer (approximate indexes built from the requests they routed).
 

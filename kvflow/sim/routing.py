@@ -172,8 +172,9 @@ def _cell(v: float | None, fmt: str = ".3f") -> str:
 def routing_report(study: RoutingStudy) -> list[str]:
     """The report's routing section: the goals per trace, then every run."""
     lines = [f"## Routing: {study.nodes} nodes, every trace", "",
-             f"Prefill {1 / PREFILL_S_PER_TOKEN:,.0f} tokens/s per node (FIFO), decode {1 / DECODE_S_PER_TOKEN:.0f} "
-             "tokens/s; kvflow = `kv_aware_load` (the router's `decide`, load bound "
+             f"Prefill {1 / PREFILL_S_PER_TOKEN:,.0f} tokens/s per node (FIFO), "
+             + (f"decode {1 / DECODE_S_PER_TOKEN:.0f} tokens/s" if DECODE_S_PER_TOKEN else "decode not counted")
+             + "; kvflow = `kv_aware_load` (the router's `decide`, load bound "
              f"ε = {SIM_WEIGHTS.load_bound}, overlap weight {SIM_WEIGHTS.overlap_weight:g}). Worst over capacities "
              f"{', '.join(f'{c:,}' for c in study.capacities)}:", "",
              "| trace | kvflow vs pooled (min) | busiest / mean prefill (worst) | TTFT p99 vs round-robin (max) | "
