@@ -130,7 +130,7 @@ class AdaptivePolicy:
     #: Observations (reuses, ghosts) between two computations of the class table.
     table_every: int = 512
     #: No protection lasts longer than this many horizons (LRU's residence time, measured).
-    max_horizons: float = 4.0
+    max_horizons: float = 16.0
 
     def __post_init__(self) -> None:
         for name in ("junk_priority", "min_priority", "max_priority"):
