@@ -48,6 +48,11 @@ class RouterSettings(BaseSettings):
     load_bound: float = Field(default=W.load_bound, ge=0, description=(
         "Bounded loads: a node whose load (blocks in hand) exceeds (1 + this) x the fleet's mean, the request "
         "counted, is not chosen; its prefixes go to a second node (0: off, the cost alone decides)."))
+    work_bound: float = Field(default=W.work_bound, ge=0, description=(
+        "Bounded work (with load_bound on): a node whose prefill work routed lately plus this request's exceeds "
+        "(1 + this) x the fleet's mean is not chosen (0: off)."))
+    work_tau_s: float = Field(default=W.work_tau_s, gt=0, description=(
+        "Time constant (s) of the decay of the prefill work routed to each node (work_bound)."))
     nodes_cache_s: float = Field(default=0.5, ge=0, description="How long the nodes table is cached.")
     suspect_s: float = Field(default=10.0, ge=0, description="How long a node that failed a request is avoided.")
     account_finished: bool = Field(default=True, description=(

@@ -142,7 +142,8 @@ async def route(state: RouterState, token_ids: Sequence[int] | None, text: str |
             matches = fleet.own_size_matches(await state.reader.prefix_matches_by_size(prompt.hashed))
         except DatabaseUnavailable:
             prompt.degraded = True  # the query failed: degraded as well
-    views = overlay(fleet.views, state.suspect_until, state.inflight, time.monotonic(), state.finished)
+    views = overlay(fleet.views, state.suspect_until, state.inflight, time.monotonic(), state.finished,
+                    state.work, state.weights.work_tau_s)
     decision = decide(prompt.blocks, views, matches, state.weights, state.rng, block_size=fleet.block_size,
                       tokens=len(prompt.tokens))
     if prompt.degraded:

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from routing_api.decisions import Routed
 from routing_api.errors import error_body, error_response
-from routing_api.scoring import Candidate
+from routing_api.scoring import Candidate, routed_work
 from routing_api.state import RouterState
 
 log = logging.getLogger("kvflow.router")
@@ -53,7 +53,7 @@ async def forward(state: RouterState, routed: Routed, path: str, content: bytes,
         return error_response(503, "no live node to route to", "unavailable")
     refused: list[tuple[str, httpx.HTTPError]] = []
     for cand in ranked:
-        done = state.start_proxy(cand.node_id, cand.prompt_blocks)  # in the node's own blocks
+        done = state.start_proxy(cand.node_id, cand.prompt_blocks, routed_work(cand))  # in the node's own blocks
         request = state.client.build_request("POST", f"{cand.url.rstrip('/')}{path}", content=content,
                                            headers={"content-type": "application/json"})
         try:

@@ -58,6 +58,11 @@ class RoutingWeights:
     #: (1 + ε) × the fleet's mean load, this request counted, is not eligible (:func:`within_bound`);
     #: 0: off (the cost alone decides, as before).
     load_bound: float = 0.75
+    #: Bounded work (with ``load_bound`` on): a node whose prefill work routed lately (:class:`RoutedWork`)
+    #: exceeds (1 + this) × the fleet's mean, the request counted, is not eligible; 0: off.
+    work_bound: float = 0.0
+    #: The time constant of that work's decay, in seconds.
+    work_tau_s: float = 60.0
 
 
 #: The one home of the weights' defaults (``RouterSettings`` takes its defaults from here).
@@ -82,6 +87,8 @@ class NodeView:
     stats_ts: float = 0.0
     #: the node's tokens per block, which every block count of this view is in (0: the decision's)
     block_size: int = 0
+    #: the prefill work this router sent the node lately: its decayed uncached blocks (:class:`RoutedWork`)
+    routed_work: float = 0.0
 
 
 @dataclass
@@ -107,6 +114,8 @@ class Candidate:
     block_size: int = 0
     #: the prompt's full blocks at the node's block size (what its in-flight count takes on)
     prompt_blocks: int = 0
+    #: the prefill work routed to it lately, in the decision's blocks (``NodeView.routed_work``)
+    work: float = 0.0
 
     @property
     def matched_blocks(self) -> int:
@@ -223,8 +232,33 @@ def finished_since(finished: Sequence[Finished], stats_ts: float) -> tuple[int, 
     return requests, blocks
 
 
+@dataclass(frozen=True, slots=True)
+class RoutedWork:
+    """The prefill work the router sent a node: the uncached prompt blocks of each request it routed
+    there (its prompt's blocks less the node's cached prefix when it decided, in the node's block
+    size), summed with a decay of time constant ``tau``, as of ``ts`` (the clock of ``overlay``'s
+    ``now``). What a node has in hand comes and goes within a request or two; this adds up."""
+
+    value: float = 0.0
+    ts: float = 0.0
+
+    def at(self, now: float, tau: float) -> float:
+        """The work decayed to ``now``."""
+        return self.value * math.exp(-max(0.0, now - self.ts) / tau) if tau > 0 else self.value
+
+    def plus(self, blocks: float, now: float, tau: float) -> RoutedWork:
+        """The work with a request of ``blocks`` uncached blocks routed at ``now``."""
+        return RoutedWork(self.at(now, tau) + blocks, now)
+
+
+def routed_work(c: Candidate) -> int:
+    """A decision's prefill work on its chosen node: the prompt's blocks it did not hold (node's blocks)."""
+    return max(0, c.prompt_blocks - c.matched_blocks)
+
+
 def overlay(views: Sequence[NodeView], suspect_until: Mapping[NodeId, float], inflight: Mapping[NodeId, InflightCount],
-            now: float, finished: Mapping[NodeId, Sequence[Finished]] | None = None) -> list[NodeView]:
+            now: float, finished: Mapping[NodeId, Sequence[Finished]] | None = None,
+            work: Mapping[NodeId, RoutedWork] | None = None, tau: float = 0.0) -> list[NodeView]:
     """The nodes' views with the router's own state laid over them.
 
     PostgreSQL knows what the nodes reported; only this router process knows which nodes failed a
@@ -237,6 +271,8 @@ def overlay(views: Sequence[NodeView], suspect_until: Mapping[NodeId, float], in
         inflight: node id → the requests and prompt blocks proxied to it and not finished.
         now: the present, on the clock of ``suspect_until``.
         finished: node id → the requests proxied to it that have finished lately (the wall clock).
+        work: node id → the prefill work routed to it (:class:`RoutedWork`, on the clock of ``now``),
+            decayed to ``now`` with the time constant ``tau`` into ``routed_work``.
 
     Returns:
         The views in the same order: a node suspect at ``now`` gets the status ``suspect``, a node
@@ -245,19 +281,21 @@ def overlay(views: Sequence[NodeView], suspect_until: Mapping[NodeId, float], in
         ``active_blocks`` less theirs (never below zero); every other view is the very object it was.
     """
     out = list(views)
-    if not suspect_until and not inflight and not finished:
+    if not suspect_until and not inflight and not finished and not work:
         return out
     for i, v in enumerate(out):
         suspect = suspect_until.get(v.node_id, 0) > now
         inf = inflight.get(v.node_id)
         ended = finished.get(v.node_id) if finished else None
         gone_requests, gone_blocks = finished_since(ended, v.stats_ts) if ended else (0, 0)
-        if suspect or gone_requests or (inf is not None and (inf.requests or inf.blocks)):
+        rw = work.get(v.node_id) if work else None
+        done = rw.at(now, tau) if rw is not None else 0.0
+        if suspect or gone_requests or done or (inf is not None and (inf.requests or inf.blocks)):
             out[i] = dataclasses.replace(
                 v, status="suspect" if suspect else v.status,
                 inflight_requests=inf.requests if inf else 0, inflight_blocks=inf.blocks if inf else 0,
                 active_requests=max(0, v.active_requests - gone_requests),
-                active_blocks=max(0, v.active_blocks - gone_blocks))
+                active_blocks=max(0, v.active_blocks - gone_blocks), routed_work=done)
     return out
 
 
@@ -319,6 +357,9 @@ def _choose(eligible: list[Candidate], ref: float, w: RoutingWeights,
             c.reason = c.reason or "over the load threshold"
     if w.load_bound > 0 and len(pool) > 1:
         pool = within_bound(pool, load_cap([c.decode_blocks for c in eligible], ref, w.load_bound))
+    if w.load_bound > 0 and w.work_bound > 0 and len(pool) > 1:
+        least = min(c.prefill_blocks for c in pool)
+        pool = within_bound(pool, load_cap([c.work for c in eligible], least, w.work_bound), work=True)
     pool.sort(key=lambda c: (c.cost, c.decode_blocks, c.node_id))
     chosen = pool[0]
     if w.temperature > 0 and len(pool) > 1:
@@ -368,7 +409,7 @@ def load_cap(loads: Sequence[float], request: float, bound: float) -> float:
     return (1 + bound) * (sum(loads) + request) / len(loads)
 
 
-def within_bound(pool: Sequence[Candidate], cap: float) -> list[Candidate]:
+def within_bound(pool: Sequence[Candidate], cap: float, work: bool = False) -> list[Candidate]:
     """The candidates of ``pool`` not over the load bound: whose load is at most ``cap``.
 
     A node over it takes no more requests, whatever it holds: a prefix it holds goes to the best
@@ -378,17 +419,22 @@ def within_bound(pool: Sequence[Candidate], cap: float) -> list[Candidate]:
     ``cap`` by at most the request it took last — as the bound's rounding lets a bin exceed
     ``(1 + ε) m / n`` by less than one ball. If every node is over (possible only when the nodes
     over the load threshold were filtered out first), the least loaded ones remain.
-    Candidates left out are marked ``over_bound``.
+    Candidates left out are marked ``over_bound``. ``work``: the bound on the prefill work routed
+    lately (``Candidate.work``, the request's least prefill counted) instead of the load in hand.
     """
-    ok = [c for c in pool if c.decode_blocks <= cap]
+    def of(c: Candidate) -> float:
+        return c.work + c.prefill_blocks if work else c.decode_blocks
+
+    ok = [c for c in pool if of(c) <= cap]
     if not ok:
-        least = min(c.decode_blocks for c in pool)
-        ok = [c for c in pool if c.decode_blocks == least]
+        lowest = min(of(c) for c in pool)
+        ok = [c for c in pool if of(c) == lowest]
     within = {id(c) for c in ok}
+    what = "blocks of prefill work, routed lately and this one's" if work else "blocks of load"
     for c in pool:
         if id(c) not in within:
             c.over_bound = True
-            c.reason = c.reason or f"over the load bound: {c.decode_blocks:.0f} blocks of load > {cap:.1f}"
+            c.reason = c.reason or f"over the load bound: {of(c):.0f} {what} > {cap:.1f}"
     return ok
 
 
@@ -410,6 +456,7 @@ def _score(c: Candidate, n: NodeView, m: PrefixMatch, ref: float, scale: float, 
     c.prefill_blocks = ref - c.cached_credit
     c.decode_blocks = (n.active_blocks + n.inflight_blocks) * scale + w.queued_weight_blocks * n.queued_requests
     c.requests = n.active_requests + n.inflight_requests + n.queued_requests
+    c.work = n.routed_work * scale
     c.cost = w.overlap_weight * c.prefill_blocks + c.decode_blocks
     c.busy = n.capacity_gpu > 0 and n.active_blocks + n.inflight_blocks > w.busy_fraction * n.capacity_gpu
 

@@ -24,7 +24,7 @@ from routing_api.config import ApiKey, RouterSettings
 from routing_api.fleet import FleetView, fleet_view
 from routing_api.queries import StateReader
 from routing_api.replica import ReplicaMetrics, ReplicaMonitor, primary_reader
-from routing_api.scoring import Decision, Finished, RoutingWeights
+from routing_api.scoring import Decision, Finished, RoutedWork, RoutingWeights
 from routing_api.templates import ChatTemplates
 from state_store.config import DatabaseSettings
 
@@ -118,6 +118,8 @@ class RouterState:
     #: per node, the proxied requests that finished within ``FINISHED_KEEP_S``, oldest first
     finished: dict[NodeId, collections.deque[Finished]] = field(default_factory=dict)
     suspect_until: dict[NodeId, float] = field(default_factory=dict)
+    #: per node, the prefill work (uncached prompt blocks) proxied to it, decayed (``time.monotonic()``)
+    work: dict[NodeId, RoutedWork] = field(default_factory=dict)
     recent: collections.deque[dict[str, Any]] = field(default_factory=collections.deque)
     decisions: int = 0
     proxied: int = 0
@@ -182,8 +184,9 @@ class RouterState:
                                 "prompt_tokens": prompt_tokens, "matched_tokens": matched_tokens,
                                 "reason": decision.reason})
 
-    def start_proxy(self, node: NodeId, blocks: int) -> Callable[..., None]:
-        """Count a request proxied to ``node`` with ``blocks`` prompt blocks as in flight.
+    def start_proxy(self, node: NodeId, blocks: int, work: int = 0) -> Callable[..., None]:
+        """Count a request proxied to ``node`` with ``blocks`` prompt blocks as in flight, and
+        ``work`` of them not cached there as prefill work routed to it (``RoutedWork``).
 
         ``blocks`` are in the node's block size (``Candidate.prompt_blocks``), as its heartbeat
         counts its load and as :func:`routing_api.scoring.decide` converts it; so is the
@@ -202,6 +205,7 @@ class RouterState:
         self.metrics.inflight.labels(node).set(inf.requests)
         self.proxied += 1
         started = time.time()
+        self.add_work(node, work)
 
         def done(outcome: str, ran: bool = True) -> None:
             inf.requests -= 1
@@ -211,10 +215,18 @@ class RouterState:
             if outcome == "upstream_error":
                 self.upstream_errors += 1
                 self.suspect_until[node] = time.monotonic() + self.settings.suspect_s
+            if not ran:
+                self.add_work(node, -work)
             if ran and self.settings.account_finished:
                 self.record_finished(node, Finished(started, time.time(), blocks))
 
         return done
+
+    def add_work(self, node: NodeId, blocks: int) -> None:
+        """Add ``blocks`` of prefill work to ``node``'s (negative: take a refused request's back off)."""
+        if blocks:
+            tau, now = self.weights.work_tau_s, time.monotonic()
+            self.work[node] = RoutedWork(max(0.0, self.work.get(node, RoutedWork(0.0, now)).at(now, tau) + blocks), now)
 
     def record_finished(self, node: NodeId, f: Finished) -> None:
         """Remember a finished request of ``node``; forget those that ended over ``FINISHED_KEEP_S`` ago."""

@@ -40,7 +40,8 @@ Routing policies (:data:`ROUTING`):
   router's decisions before bounded loads;
 * ``kv_aware_load``: kvflow's router, :func:`routing_api.scoring.decide` exactly (bounded loads on),
   with the weights given (default: the router's; ``kvflow sim``: :data:`kvflow.sim.routing.SIM_WEIGHTS`)
-  over the nodes' true prefixes and the loads the router knows (:class:`RouterPolicy`);
+  over the nodes' true prefixes and the loads the router knows, with the prefill work it routed to
+  each node kept and laid over the views as the router does (:class:`RouterPolicy`);
 * ``sglang`` and ``llm_d``: the anchors of :mod:`kvflow.sim.router_anchors`, modelled on SGLang's
   cache-aware router and llm-d's scorer (approximate indexes built from the requests they routed).
 
@@ -65,7 +66,16 @@ from inference_node.kv.manager import KvCacheConfig, KVCacheManager, OutOfBlocks
 from inference_node.kv.prompt import Prompt
 from kvflow.sim.workloads import BLOCK_TOKENS, SimRequest
 from kvflow.traces import belady_hit_rate
-from routing_api.scoring import DEFAULT_WEIGHTS, NodeView, PrefixMatch, RoutingWeights, decide
+from routing_api.scoring import (
+    DEFAULT_WEIGHTS,
+    NodeView,
+    PrefixMatch,
+    RoutedWork,
+    RoutingWeights,
+    decide,
+    overlay,
+    routed_work,
+)
 
 ROUTING = ("random", "round_robin", "least_loaded", "kv_aware", "dynamo_cost", "sglang", "llm_d", "kv_aware_load")
 EVICTION = ("lru", "priority", "adaptive")
@@ -224,6 +234,14 @@ class _KvAware:
         return min(range(len(nodes)), key=lambda j: (-matches[j], nodes[j].inflight_blocks, j))
 
 
+@dataclass(slots=True)
+class InHand:
+    """A node's requests in hand and their prompt blocks, as the router counts them (``routing_api.state.Inflight``)."""
+
+    requests: int
+    blocks: int
+
+
 class RouterPolicy:
     """kvflow's router: :func:`routing_api.scoring.decide` over the nodes' true prefixes and their
     loads as the router knows them: its own count of the requests (and their prompt blocks) in hand
@@ -233,19 +251,25 @@ class RouterPolicy:
     def __init__(self, weights: RoutingWeights, rng: random.Random) -> None:
         self.weights, self.rng = weights, rng
         self.ids: list[NodeId] = []
+        #: the prefill work it routed to each node, as the router keeps it (``RouterState.work``)
+        self.work: dict[NodeId, RoutedWork] = {}
 
     def choose(self, req: SimRequest, prompt: Prompt, nodes: Sequence[SimNode]) -> int:
         if len(self.ids) != len(nodes):
             self.ids = [NodeId(str(j)) for j in range(len(nodes))]
         views: list[NodeView] = []
         pm: dict[NodeId, PrefixMatch] = {}
+        inflight: dict[NodeId, InHand] = {}
         for nid, nd in zip(self.ids, nodes, strict=True):
             gpu, host = nd.core.match_prefix(prompt)
             pm[nid] = PrefixMatch(gpu, host)
-            views.append(NodeView(nid, "", "live", nd.capacity, inflight_requests=nd.inflight,
-                                  inflight_blocks=nd.inflight_blocks, queued_requests=nd.waiting))
+            views.append(NodeView(nid, "", "live", nd.capacity, queued_requests=nd.waiting))
+            inflight[nid] = InHand(nd.inflight, nd.inflight_blocks)
+        tau = self.weights.work_tau_s
+        views = overlay(views, {}, inflight, req.t, work=self.work, tau=tau)  # as the router lays its state over
         chosen = decide(len(prompt.digests), views, pm, self.weights, self.rng).chosen
         assert chosen is not None
+        self.work[chosen.node_id] = self.work.get(chosen.node_id, RoutedWork()).plus(routed_work(chosen), req.t, tau)
         return int(chosen.node_id)
 
 

@@ -43,8 +43,10 @@ PREFILL_S_PER_TOKEN = 1e-4
 DECODE_S_PER_TOKEN = 0.02
 #: The router's weights in the simulator: its defaults (the load bound on) with a cached block worth
 #: 24 blocks of load (KVFLOW_ROUTER_OVERLAP_WEIGHT=24): the cost follows the cache, the bound keeps
-#: the balance. Chosen on the Mooncake trace, multi_turn, agentic and hot_prefixes (docs/router.md).
-SIM_WEIGHTS = dataclasses.replace(DEFAULT_WEIGHTS, overlap_weight=24.0)
+#: the balance; and the bound on prefill work routed lately (KVFLOW_ROUTER_WORK_BOUND=0.25,
+#: KVFLOW_ROUTER_WORK_TAU_S=60). Chosen on the Mooncake trace, multi_turn, agentic and hot_prefixes
+#: (docs/router.md).
+SIM_WEIGHTS = dataclasses.replace(DEFAULT_WEIGHTS, overlap_weight=24.0, work_bound=0.25, work_tau_s=60.0)
 POLICIES = ("pooled", *ROUTING)
 #: Where the goals are judged: every trace, every capacity.
 GOALS = {"kv_aware_vs_pooled_hit_rate_min": ">= 0.95", "kv_aware_max_over_mean_load_worst_capacity": "<= 1.15",
@@ -175,7 +177,9 @@ def routing_report(study: RoutingStudy) -> list[str]:
              f"Prefill {1 / PREFILL_S_PER_TOKEN:,.0f} tokens/s per node (FIFO), "
              + (f"decode {1 / DECODE_S_PER_TOKEN:.0f} tokens/s" if DECODE_S_PER_TOKEN else "decode not counted")
              + "; kvflow = `kv_aware_load` (the router's `decide`, load bound "
-             f"ε = {SIM_WEIGHTS.load_bound}, overlap weight {SIM_WEIGHTS.overlap_weight:g}). Worst over capacities "
+             f"ε = {SIM_WEIGHTS.load_bound}, work bound {SIM_WEIGHTS.work_bound} over "
+             f"τ = {SIM_WEIGHTS.work_tau_s:g} s, "
+             f"overlap weight {SIM_WEIGHTS.overlap_weight:g}). Worst over capacities "
              f"{', '.join(f'{c:,}' for c in study.capacities)}:", "",
              "| trace | kvflow vs pooled (min) | busiest / mean prefill (worst) | TTFT p99 vs round-robin (max) | "
              "vs least-loaded (max) |", "| --- | ---: | ---: | ---: | ---: |"]

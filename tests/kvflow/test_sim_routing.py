@@ -16,7 +16,7 @@ from kvflow.sim.cluster import ROUTING, RouterPolicy, SimNode, _core, percentile
 from kvflow.sim.router_anchors import ApproxTree, LlmdScorer, SGLangCacheAware, _LruIndex
 from kvflow.sim.routing import GOALS, POLICIES, routing_figures, routing_report, run_routing
 from kvflow.sim.workloads import BLOCK_TOKENS, SimRequest
-from routing_api.scoring import RoutingWeights
+from routing_api.scoring import RoutedWork, RoutingWeights
 
 SECOND_PER_BLOCK = 1 / BLOCK_TOKENS  # prefill_s_per_token: one block takes one second
 
@@ -102,6 +102,22 @@ def test_kv_aware_load_is_the_routers_decide_with_its_load_as_the_router_knows_i
     assert p.choose(req(0.1, range(1, 9)), prompt, nodes) == 0  # the cost alone: the cache wins
     p = RouterPolicy(RoutingWeights(overlap_weight=24.0, load_bound=0.75), random.Random(0))
     assert p.choose(req(0.1, range(1, 9)), prompt, nodes) in (1, 2)  # 16 + 8 queued > 1.75 x 32 / 3
+
+
+def test_the_router_policy_keeps_the_prefill_work_it_routed_as_the_router_does():
+    nodes = [SimNode(*_core(100, "lru"), capacity=100) for _ in range(2)]
+    held = Prompt.from_block_keys(range(1, 9), BLOCK_TOKENS)
+    nodes[1].core.allocate("x", held)
+    nodes[1].core.free("x")
+    w = RoutingWeights(overlap_weight=24.0, load_bound=0.75, work_bound=0.25, work_tau_s=10.0)
+    p = RouterPolicy(w, random.Random(0))
+    more = Prompt.from_block_keys(range(1, 13), BLOCK_TOKENS)  # 8 blocks held on node 1, 4 more
+    assert p.choose(req(0.0, range(1, 13)), more, nodes) == 1
+    assert p.work == {"1": RoutedWork(4.0, 0.0)}  # the uncached blocks only
+    # Node 1 has done 4 blocks lately (4/e after 10 s): a cold prompt of 2 goes to node 0
+    # (4/e + 2 > 1.25 x (4/e + 2) / 2).
+    assert p.choose(req(10.0, (50, 51)), Prompt.from_block_keys((50, 51), BLOCK_TOKENS), nodes) == 0
+    assert p.work["0"] == RoutedWork(2.0, 10.0)
 
 
 def test_sglangs_tree_matches_the_longest_prefix_and_evicts_least_recently_used_leaves():
