@@ -570,7 +570,9 @@ class KafkaCluster:
                 raise StackError(f"the Kafka cluster did not answer on {self.address} within "
                                  f"{self.settings.start_timeout_s:.0f} s; see {self.paths.logs}/kafka*")
         except BaseException:
-            for b, _pid in started:
+            # Every broker that did not run before this call (also one spawned just as the
+            # signal came, before it was in `started`): its pid file names it.
+            for b in missing:
                 with contextlib.suppress(Exception):
                     b.down()
             raise
