@@ -119,7 +119,7 @@ def test_a_broker_killed_mid_stream_and_restarted_loses_and_doubles_nothing(clus
         with Publishing(node):
             # The worker consumes (it has joined the group and applied events) before the kill.
             # NOTE: a broker killed while the worker is still joining (its first offset lookups)
-            # can leave aiokafka 0.14 not fetching a partition at all; see docs/scaling.md.
+            # can leave aiokafka 0.14 not fetching a partition: docs/scaling.md, "Known limits".
             wait_for(lambda: (node_row(migrated_database_url, node.node_id) or {}).get("last_event_id", -1) > 150,
                      60, what="the materializer under way")
             victim = next(b for b in cluster.kafka.brokers
