@@ -82,7 +82,9 @@ class KafkaSettings(BaseSettings):
         default="kv-control", description="Commands to nodes (e.g. resync requests)."
     )
     events_partitions: int = Field(default=6, ge=1, description="Partitions of the events topic.")
-    replication_factor: int = Field(default=1, ge=1, description="Replicas of each topic.")
+    replication_factor: int = Field(
+        default=0, ge=0, description="Replicas of each topic kvflow creates; 0: 3, or every broker if fewer."
+    )
     events_retention_ms: int = Field(
         default=7 * 24 * 3600 * 1000, description="Retention of kv-events and the DLQ."
     )

@@ -60,12 +60,13 @@ def admin(s: KafkaSettings) -> AdminClient:
 def ensure_topics(s: KafkaSettings, timeout: float = 30.0) -> list[str]:
     """Create the topics that are missing (idempotent); return the names it created."""
     client = admin(s)
-    existing = set(client.list_topics(timeout=timeout).topics)
-    wanted = [t for t in topic_specs(s) if t.name not in existing]
+    md = client.list_topics(timeout=timeout)
+    wanted = [t for t in topic_specs(s) if t.name not in md.topics]
     if not wanted:
         return []
+    replicas = s.replication_factor or min(3, len(md.brokers))
     futures = client.create_topics(
-        [NewTopic(t.name, num_partitions=t.partitions, replication_factor=s.replication_factor,
+        [NewTopic(t.name, num_partitions=t.partitions, replication_factor=replicas,
                   config=t.config) for t in wanted],
         operation_timeout=timeout, request_timeout=timeout,
     )

@@ -15,11 +15,16 @@ How: the consumer faust made gets our wait before it starts. aiokafka 0.14.0 kee
 constructor's ``fetch_max_wait_ms`` as ``AIOKafkaConsumer._fetch_max_wait_ms`` and hands it to its
 ``Fetcher`` in ``start()``; that private attribute is the one thing written here. (Building the
 consumer ourselves would mean copying faust's fifty lines of its other settings.)
+
+Also: faust's producer (the DLQ, resync commands on ``kv-control``) gets aiokafka's
+``enable_idempotence`` (faust has no setting for it; ``acks`` is all already), so that a send
+retried across a broker failover is written once, as the nodes' librdkafka producers do.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import aiokafka
@@ -51,6 +56,14 @@ class _Consumer(faust_aiokafka.Consumer):
         return _ConsumerThread(self, loop=self.loop, beacon=self.beacon)
 
 
+class _Producer(faust_aiokafka.Producer):
+    """faust's producer with aiokafka's idempotence on (faust sets ``acks`` = all but has no
+    setting for it): a DLQ or control message retried after a broker failover is written once."""
+
+    def _settings_default(self) -> Mapping[str, Any]:
+        return {**super()._settings_default(), "enable_idempotence": True}
+
+
 class FetchWaitTransport(faust_aiokafka.Transport):
     """faust's aiokafka transport, whose worker consumer waits at most ``fetch_max_wait_ms`` at
     the broker for partitions without new data (see the module docstring).
@@ -62,6 +75,7 @@ class FetchWaitTransport(faust_aiokafka.Transport):
     """
 
     Consumer = _Consumer
+    Producer = _Producer
 
     def __init__(self, url: Any, app: faust.App, *, fetch_max_wait_ms: int) -> None:
         super().__init__(url, app)

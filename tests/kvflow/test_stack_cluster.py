@@ -91,6 +91,14 @@ def test_three_brokers_come_up_with_replicated_topics_and_status_shows_each(clus
         assert {len(p.replicas) for p in md.topics[topic].partitions.values()} == {3}, topic
     res = ConfigResource("topic", "kv-events")
     assert admin.describe_configs([res])[res].result()["min.insync.replicas"].value == "2"
+    # `kvflow topics ensure` with its defaults: 3 replicas on a cluster of three (1 on one broker).
+    from eventbus.config import KafkaSettings
+    from eventbus.kafka import ensure_topics
+
+    own = KafkaSettings(bootstrap=cluster.kafka.address, events_topic=f"ev-auto-{time.time_ns()}")
+    assert own.replication_factor == 0 and own.events_topic in ensure_topics(own)
+    md = admin.list_topics(timeout=10)
+    assert {len(p.replicas) for p in md.topics[own.events_topic].partitions.values()} == {3}
 
 
 def _leader_of_busiest_partition(bootstrap: str, topic: str) -> int:

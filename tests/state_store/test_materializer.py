@@ -250,6 +250,29 @@ def test_the_worker_consumer_fetches_with_the_configured_wait(kafka_settings, mi
         thread.thread_loop.close()
 
 
+def test_the_workers_producer_is_idempotent(kafka_settings, migrated_database_url, monkeypatch):
+    """faust has no idempotence setting: the DLQ's and kv-control's producer gets aiokafka's (acks=all),
+    and a started one takes a producer id from the broker."""
+    import asyncio
+
+    from state_store.config import DatabaseSettings, MaterializerSettings
+    from state_store.faust_app import build_app
+
+    monkeypatch.setenv("KVFLOW_DATABASE_URL", migrated_database_url)
+    app = build_app(kafka_settings, DatabaseSettings(), MaterializerSettings(web_port=0))
+
+    async def started_producer_id() -> int:
+        aio = app.transport.create_producer()._new_producer()
+        await aio.start()
+        try:
+            await aio.send_and_wait(kafka_settings.control_topic, b"", key=b"idempotence-check")
+            return int(aio._txn_manager.producer_id)  # -1 without idempotence
+        finally:
+            await aio.stop()
+
+    assert asyncio.run(started_producer_id()) >= 0
+
+
 def test_healthz_answers_503_while_the_database_is_unreachable_and_200_when_it_is_back(
         kafka_settings, migrated_database_url, tmp_path):
     from sqlalchemy.engine import make_url
