@@ -639,6 +639,14 @@ def find_pg_bindir() -> Path:
     )
 
 
+def cluster_pid(data: Path) -> int | None:
+    """The postmaster's pid of the PostgreSQL cluster in ``data`` (None: not running, or unknown)."""
+    try:
+        return int((data / "postmaster.pid").read_text().splitlines()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class Postgres:
     """A private PostgreSQL cluster for kvflow, or an external one named by KVFLOW_DATABASE_URL."""
 
@@ -714,25 +722,26 @@ class Postgres:
         return str(find_pg_bindir() / name)
 
     def running(self) -> bool:
-        if not (self.data / "PG_VERSION").is_file():
+        return self.cluster_running(self.data)
+
+    def cluster_running(self, data: Path) -> bool:
+        """A cluster of these binaries in ``data`` (this one, or its standby's) runs."""
+        if not (data / "PG_VERSION").is_file():
             return False
-        proc = subprocess.run(
-            self._as_pg([self._bin("pg_ctl"), "-D", str(self.data), "status"]),
-            capture_output=True, text=True, check=False,
-        )
+        proc = subprocess.run(self._as_pg([self._bin("pg_ctl"), "-D", str(data), "status"]),
+                              capture_output=True, text=True, check=False)
         return proc.returncode == 0
 
     def pid(self) -> int | None:
-        try:
-            return int((self.data / "postmaster.pid").read_text().splitlines()[0])
-        except (OSError, ValueError, IndexError):
-            return None
+        return cluster_pid(self.data)
 
     def ready(self) -> bool:
-        proc = subprocess.run(
-            [self._bin("pg_isready"), "-h", "localhost", "-p", str(self.port), "-t", "2"],
-            capture_output=True, text=True, check=False,
-        )
+        return self.answers(self.port)
+
+    def answers(self, port: int) -> bool:
+        """A server of these binaries on localhost:``port`` accepts connections."""
+        proc = subprocess.run([self._bin("pg_isready"), "-h", "localhost", "-p", str(port), "-t", "2"],
+                              capture_output=True, text=True, check=False)
         return proc.returncode == 0
 
     def _initdb(self) -> None:
@@ -858,25 +867,13 @@ class PostgresReplica:
         return (self.data / "standby.signal").is_file() or (self.data / "PG_VERSION").is_file()
 
     def running(self) -> bool:
-        if not (self.data / "PG_VERSION").is_file():
-            return False
-        p = self.primary
-        proc = subprocess.run(p._as_pg([p._bin("pg_ctl"), "-D", str(self.data), "status"]),
-                              capture_output=True, text=True, check=False)
-        return proc.returncode == 0
+        return self.primary.cluster_running(self.data)
 
     def pid(self) -> int | None:
-        try:
-            return int((self.data / "postmaster.pid").read_text().splitlines()[0])
-        except (OSError, ValueError, IndexError):
-            return None
+        return cluster_pid(self.data)
 
     def ready(self) -> bool:
-        proc = subprocess.run(
-            [self.primary._bin("pg_isready"), "-h", "localhost", "-p", str(self.port), "-t", "2"],
-            capture_output=True, text=True, check=False,
-        )
-        return proc.returncode == 0
+        return self.primary.answers(self.port)
 
     @property
     def reader_url(self) -> str:
