@@ -315,6 +315,7 @@ class KVCacheManager:
             if retention is not None:
                 prio, dur = retention.block_retention(i * bs, (i + 1) * bs, num_tokens)
                 set_priority(b, prio, dur)
+                b.adaptive_class = -1  # the client's now: the policy neither learns from nor revokes it
             elif adaptive is not None:
                 raised = adaptive.on_reuse(b.adaptive_class, b.priority, b.hits - 1, now - b.released_at)
                 if raised is not None and raised[0] >= b.priority:

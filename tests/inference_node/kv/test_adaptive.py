@@ -164,3 +164,17 @@ def test_when_the_guard_weakens_protection_the_policys_durations_end_and_clients
     assert [mgr.block_info(d)["duration"] for d in p.digests] == [None] * 4
     assert sorted(u.block_hash for u in updated) == sorted(hashes(p))
     assert [mgr.block_info(d)["priority"] for d in pinned.digests] == [80, 80]
+
+
+def test_a_block_a_client_reprioritized_is_the_clients_and_survives_a_revoke():
+    mgr = KVCacheManager(KvCacheConfig(num_gpu_blocks=64, block_size=BS, adaptive=policy(window=4)))
+    p = prompt(toks(0, 1))
+    mgr.allocate("a", p)  # stored by the policy
+    mgr.free("a")
+    mgr.allocate("c", p, prio(70, 1000.0))  # reused by a client with a retention config
+    mgr.free("c")
+    learner_ = mgr.adaptive
+    assert learner_ is not None
+    learner_._window[:] = [0, 10**6, 10**6]  # the guard weakens protection at the next lookup
+    mgr.allocate("x", prompt(toks(50)))
+    assert [(mgr.block_info(d)["priority"], mgr.block_info(d)["duration"]) for d in p.digests] == [(70, 1000.0)] * 2

@@ -178,6 +178,7 @@ class Reference:
             b = self.blocks[d]
             if ret is not None:
                 b.priority, b.duration = ret.block_retention(i * BS, (i + 1) * BS, prompt.num_tokens)
+                b.tag = -1
             elif self.adaptive is not None:
                 raised = self.adaptive.on_reuse(b.tag, b.priority, b.hits, now - b.released_at)
                 if raised is not None and raised[0] >= b.priority:
