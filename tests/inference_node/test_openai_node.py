@@ -158,7 +158,9 @@ def test_stop_strings_are_exact_streamed_or_not(client, seed, cut, width, extra)
     body = {"prompt": "stops", "max_tokens": 24, "temperature": 1.0, "seed": seed}
     plain = client.post("/v1/completions", json=body).json()["choices"][0]
     full = plain["text"]
-    stops = [full[cut:cut + width] or "zz", extra or "\x00"]  # one from the text, one random
+    # One from the text, one random. U+FFFD stands in the text for bytes that are not whole UTF-8
+    # yet: incremental detokenization holds them back, so it is not a stop string (see the note).
+    stops = [full[cut:cut + width].replace("\ufffd", "") or "zz", extra.replace("\ufffd", "") or "\x00"]
     whole = client.post("/v1/completions", json={**body, "stop": stops}).json()["choices"][0]
     streamed = events(client, "/v1/completions", {**body, "stop": stops})
     text = "".join(c["choices"][0]["text"] for c in streamed)
