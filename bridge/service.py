@@ -357,7 +357,8 @@ class Bridge:
         finally:
             self._stop.set()
             self._heartbeat.join(5)
-            self.publisher.pump()  # type: ignore[union-attr]
+            if (left := self.publisher.drain(5)) > 0:  # type: ignore[union-attr]
+                log.error("stopping: %d event batches not delivered within 5 s", left)
             if self.load is not None and (bye := self.node_stats(self.load, "stopping")) is not None:
                 self.sink.send_stats(msgspec.structs.replace(bye, ts=self.clock()))
             self.sink.flush(5)

@@ -208,7 +208,8 @@ class Engine:
         if self.started:
             self._thread.join(timeout)
         self.heartbeat.stop()
-        self.publisher.pump()
+        if (left := self.publisher.drain(5)) > 0:
+            log.error("stopping: %d event batches not delivered within 5 s", left)
         if self.started and not self._thread.is_alive() and self.fatal is None:
             self.publisher.sink.send_stats(msgspec.structs.replace(self.node_stats(), status="stopping"))
         self.publisher.sink.flush(5)

@@ -176,6 +176,11 @@ class KafkaSink:
     def failed(self) -> int:
         return self._failed
 
+    @property
+    def delivered(self) -> int:
+        """Event batches the brokers acknowledged (delivery reports served so far)."""
+        return self._delivered
+
     def flush(self, timeout: float) -> int:
         return int(self.producer.flush(timeout))
 
@@ -223,6 +228,24 @@ class Publisher:
             self.last_sent_event_id = events[-1].event_id
         self.events_sent += sent
         return sent
+
+    def drain(self, timeout: float) -> int:
+        """Send everything the source has queued and wait for the sink to deliver it, for at most
+        ``timeout`` seconds; return what is left undelivered (0: everything).
+
+        One :meth:`pump` and a flush are not enough: while the sink is backlogged (a broker lost, a
+        leader moving) :meth:`pump` sends nothing, the flush then delivers the backlog, and the
+        events still queued in the source stay there (a stopping node lost them). Here each flush
+        is followed by another pump until the source is empty."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.pump()
+            left = deadline - time.monotonic()
+            if not self.backlogged:  # pump stopped because the source had nothing more
+                return self.sink.flush(max(0.0, left))
+            if left <= 0:
+                return max(1, self.sink.in_flight())
+            self.sink.flush(min(left, 0.5))
 
     def _send(self, events: list[Event]) -> None:
         """One batch, or several in order when it would encode larger than ``max_batch_bytes``."""

@@ -199,8 +199,7 @@ class CoreNode:
         for rid in self.active:
             self.core.free(rid)
         self.active.clear()
-        self.publisher.pump()
-        assert self.sink.flush(30) == 0
+        assert self.publisher.drain(30) == 0
 
     def truth(self) -> dict[int, BlockState]:
         from eventbus.replay import NodeState

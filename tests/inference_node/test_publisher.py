@@ -56,3 +56,38 @@ def test_a_message_kafka_refuses_counts_as_lost_and_asks_for_a_snapshot():
     finally:
         sink.producer.purge()
         sink.close()
+
+
+class DeliversWhenFlushed(InMemorySink):
+    """librdkafka's shape: what is sent stays in flight until the producer is given time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hold = True
+
+    def flush(self, timeout: float) -> int:
+        self.hold = False
+        self.poll()
+        self.hold = True
+        return len(self.held)
+
+
+def test_drain_sends_what_a_backlogged_pump_left_in_the_core():
+    core = filled_core(256, part_blocks=16_384)
+    queued = core.pending_events
+    sink = DeliversWhenFlushed()
+    pub = Publisher(core, sink, "n", "i", max_events_per_batch=2, max_in_flight=3)
+    # One pump and a flush (what a stopping node did): three batches, the rest left in the core.
+    pub.pump()
+    assert sink.flush(1) == 0 and len(sink.batches) == 3 and core.pending_events == queued - 6
+    assert pub.drain(5) == 0
+    events = [e for b in sink.batches for e in b.events]
+    assert core.pending_events == 0 and [e.event_id for e in events] == list(range(queued))
+
+
+def test_drain_gives_up_at_its_timeout_and_says_what_is_left():
+    core = filled_core(64, part_blocks=16_384)
+    sink = InMemorySink()
+    sink.hold = True  # a sink that never delivers (no broker)
+    pub = Publisher(core, sink, "n", "i", max_events_per_batch=2, max_in_flight=3)
+    assert pub.drain(0.2) == 3 and core.pending_events > 0
