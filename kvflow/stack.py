@@ -833,13 +833,23 @@ class Postgres:
         return f"stopped (pid {pid})"
 
 
+#: The standby's physical replication slot on the primary: the primary keeps the WAL the standby
+#: has not received, so a standby left stopped while the primary writes catches up when started
+#: again instead of failing ("requested WAL segment … has already been removed")…
+REPLICA_SLOT = "kvflow_standby"
+#: … up to this much of it (``max_slot_wal_keep_size``): past it the primary drops what the slot
+#: holds rather than fill its disk, and that standby must be made again.
+REPLICA_SLOT_KEEP = "4GB"
+
+
 class PostgresReplica:
     """A streaming standby of the stack's private PostgreSQL, for routers to read from.
 
-    Made once with ``pg_basebackup -R`` (which writes ``standby.signal`` and the
-    ``primary_conninfo`` it streams with: the primary's socket, its superuser, trusted locally),
-    in a folder next to the primary's, on its own port (``KVFLOW_STACK_REPLICA_PORT``). It holds
-    the same roles and data; it is read-only while it is a standby.
+    Made once with ``pg_basebackup -R -C -S kvflow_standby`` (``-R`` writes ``standby.signal`` and
+    the ``primary_conninfo`` it streams with: the primary's socket, its superuser, trusted
+    locally; ``-C -S`` create the replication slot :data:`REPLICA_SLOT` it streams from), in a
+    folder next to the primary's, on its own port (``KVFLOW_STACK_REPLICA_PORT``). It holds the
+    same roles and data; it is read-only while it is a standby.
     """
 
     def __init__(self, primary: Postgres) -> None:
@@ -888,8 +898,16 @@ class PostgresReplica:
             pw = pwd.getpwnam(PG_OS_USER)
             os.chown(self.base, pw.pw_uid, pw.pw_gid)
         self.base.chmod(0o700)
+        # A slot left by a standby made before (its folder removed) would keep WAL for nobody.
+        run(p._as_pg([p._bin("psql"), "-X", "-q", "-h", str(p.sockets), "-p", str(p.port), "-U", "postgres",
+                      "-d", "postgres", "-v", "ON_ERROR_STOP=1",
+                      "-c", f"ALTER SYSTEM SET max_slot_wal_keep_size = '{REPLICA_SLOT_KEEP}'",
+                      "-c", "SELECT pg_reload_conf()",
+                      "-c", "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots"
+                            f" WHERE slot_name = '{REPLICA_SLOT}' AND NOT active"]),
+            log=self.paths.logs / "postgres-replica.log", timeout=60, what="preparing the replication slot")
         run(p._as_pg([p._bin("pg_basebackup"), "-h", str(p.sockets), "-p", str(p.port), "-U", "postgres",
-                      "-D", str(self.data), "-R", "-X", "stream", "-c", "fast"]),
+                      "-D", str(self.data), "-R", "-C", "-S", REPLICA_SLOT, "-X", "stream", "-c", "fast"]),
             log=self.paths.logs / "postgres-replica.log", timeout=600, what="pg_basebackup")
 
     def up(self, say: Callable[[str], None]) -> str:

@@ -143,3 +143,25 @@ def test_a_router_on_the_standby_routes_warm_and_notices_a_paused_replay(replica
                        what="the standby to catch up")
         assert rep["reading"] == "reader" and rep["lag_s"] < 1.0
         assert c.post("/v1/route", json={"token_ids": tokens}).json()["node_id"] == later
+
+
+def test_a_standby_stopped_while_the_primary_writes_catches_up_from_its_slot(replicated):
+    stack = replicated
+    assert superuser_sql(stack, stack.replica.port, "SHOW primary_slot_name") == "kvflow_standby"
+    assert superuser_sql(stack, stack.postgres.port, "SELECT active FROM pg_replication_slots"
+                         " WHERE slot_name = 'kvflow_standby'") == "t"
+    assert stack.replica.down().startswith("stopped")
+    try:
+        # WAL the standby has not received, in segments the primary would recycle without the slot
+        # (a segment switch and a checkpoint after each write: the redo point moves past them).
+        for i in range(3):
+            put_node(stack.database_url, f"node-while-stopped-{i}", list(range(64)), 2)
+            superuser_sql(stack, stack.postgres.port, "SELECT pg_switch_wal()")
+            superuser_sql(stack, stack.postgres.port, "CHECKPOINT")
+        assert superuser_sql(stack, stack.postgres.port, "SELECT active, wal_status FROM pg_replication_slots"
+                             " WHERE slot_name = 'kvflow_standby'") in ("f|reserved", "f|extended")
+    finally:
+        assert stack.replica.up(lambda _m: None) == "started"
+    wait_for(lambda: replicated_to(stack, "node-while-stopped-2"), 60, what="the standby to catch up")
+    assert superuser_sql(stack, stack.postgres.port,
+                         "SELECT count(*) FROM pg_stat_replication WHERE state = 'streaming'") == "1"
