@@ -20,7 +20,7 @@ from faust.exceptions import ConsumerNotStarted
 
 from eventbus.config import Environment, KafkaSecurityProtocol, KafkaSettings, RuntimeSettings
 from state_store.config import DatabaseSettings, MaterializerSettings
-from state_store.faust_compat import FetchWaitTransport
+from state_store.faust_compat import FetchWaitTransport, group_generation
 from state_store.materializer import Materializer
 from state_store.writer import Writer
 
@@ -151,7 +151,7 @@ def build_app(kafka: KafkaSettings | None = None, db: DatabaseSettings | None = 
 
     @app.page("/healthz")
     async def healthz(web: Any, request: Any) -> Any:
-        health = await mat.health(partitions_assigned(app))
+        health = await mat.health(partitions_assigned(app), group_member=group_generation(app) >= 0)
         return web.json(health.body, status=health.status_code)
 
     @app.page("/metrics")

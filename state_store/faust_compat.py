@@ -84,3 +84,15 @@ class FetchWaitTransport(faust_aiokafka.Transport):
         if installed != TESTED_WITH:
             log.warning("state_store.faust_compat was written for %s, not %s: check the fetch wait patch",
                         TESTED_WITH, installed)
+
+
+def group_generation(app: faust.App) -> int:
+    """The worker's generation in its consumer group, read from the aiokafka consumer faust runs
+    (``AIOKafkaConsumerThread._consumer._coordinator.generation``, as faust itself reads it to
+    commit); -1 while it is not a member: not started, joining, or dropped from the group (the
+    coordinator resets it to -1 when it must join again)."""
+    thread = getattr(getattr(app, "_consumer", None), "_thread", None)
+    consumer = getattr(thread, "_consumer", None)
+    coordinator = getattr(consumer, "_coordinator", None)
+    generation = getattr(coordinator, "generation", -1)
+    return generation if isinstance(generation, int) else -1

@@ -341,25 +341,30 @@ class Materializer:
 
     # ------------------------------------------------------------------ web
 
-    async def health(self, partitions_assigned: int) -> Health:
-        """``/healthz``: healthy while the worker has Kafka partitions assigned and the database
-        answers (a round trip within :data:`HEALTH_FRESH_S`, or ``SELECT 1`` now).
+    async def health(self, partitions_assigned: int, group_member: bool = False) -> Health:
+        """``/healthz``: healthy while the worker has Kafka partitions assigned, or is a member of
+        its consumer group with none (a *standby*: more workers than partitions; it takes over
+        when a rebalance gives it some), and the database answers (a round trip within
+        :data:`HEALTH_FRESH_S`, or ``SELECT 1`` now).
 
         Args:
             partitions_assigned: the partitions the worker's consumer has now (faust:
                 ``len(app.consumer.assignment())``).
+            group_member: the consumer is in its group now (a generation of its own; faust:
+                :func:`state_store.faust_compat.group_generation` ≥ 0), not joining it.
         """
         reasons: list[str] = []
-        if partitions_assigned <= 0:
-            reasons.append("no Kafka partitions assigned (joining the consumer group, or more workers than "
-                           "partitions)")
+        if partitions_assigned <= 0 and not group_member:
+            reasons.append("not in its consumer group yet: joining, or rejoining after the group dropped it")
         fresh = self._db_ok_at is not None and time.monotonic() - self._db_ok_at < HEALTH_FRESH_S
         database_error = None if fresh else await self._ping()
         if database_error is not None:
             reasons.append(f"database unreachable ({database_error})")
-        body = {"status": "ok" if not reasons else "unavailable", "db_ok": database_error is None,
+        status = "unavailable" if reasons else "ok" if partitions_assigned > 0 else "standby"
+        body = {"status": status, "db_ok": database_error is None,
                 "last_commit": self.last_commit, "group_id": self.settings.group_id,
-                "partitions_assigned": partitions_assigned, "reason": "; ".join(reasons) or None}
+                "partitions_assigned": partitions_assigned, "group_member": group_member,
+                "reason": "; ".join(reasons) or None}
         return Health(not reasons, body)
 
     async def _ping(self) -> str | None:

@@ -308,18 +308,23 @@ async def test_heartbeats_are_written_through_a_database_outage_and_bad_ones_go_
     assert [h["kvflow-error-reason"] for _, _, h in o.dlq] == [b"invalid"]
 
 
-async def test_health_needs_partitions_and_a_database_that_answers():
+async def test_health_needs_partitions_or_a_place_in_the_group_and_a_database_that_answers():
     m, w, _ = make()
-    health = await m.health(partitions_assigned=0)
+    health = await m.health(partitions_assigned=0)  # joining its group
     assert health.status_code == 503
     assert health.body["partitions_assigned"] == 0 and health.body["db_ok"] is True
-    assert "no Kafka partitions" in health.body["reason"]
+    assert "not in its consumer group yet" in health.body["reason"]
     assert w.pings == 1  # nothing had reached the database yet: asked
 
-    health = await m.health(partitions_assigned=6)
+    # In the group with no partition (more workers than partitions): a standby, healthy.
+    health = await m.health(partitions_assigned=0, group_member=True)
+    assert health.status_code == 200
+    assert health.body["status"] == "standby" and health.body["reason"] is None
+
+    health = await m.health(partitions_assigned=6, group_member=True)
     assert health.status_code == 200
     assert health.body == {"status": "ok", "db_ok": True, "last_commit": 0.0, "group_id": "g",
-                           "partitions_assigned": 6, "reason": None}
+                           "partitions_assigned": 6, "group_member": True, "reason": None}
     assert w.pings == 1  # the last answer is recent: not asked again
 
     # The database goes away: the next liveness check fails, and /healthz asks it (in vain).

@@ -166,3 +166,68 @@ def test_a_worker_paused_past_its_session_rejoins_without_writing_over_the_new_o
     finally:
         a.stop()
         b.stop()
+
+
+def healthz(port: int) -> tuple[int, dict]:
+    try:
+        r = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5)
+        return r.status_code, r.json()
+    except (httpx.HTTPError, ValueError):
+        return 0, {}
+
+
+def test_a_worker_without_partitions_is_a_healthy_standby_and_takes_over_when_the_owners_die(
+        kafka_bootstrap, migrated_database_url, tmp_path: Path):
+    """More workers than partitions: kv-events and node-stats of one partition each, three workers.
+    The one left without a partition answers /healthz 200 ``standby`` (a member of the group, not
+    joining); killed, the owners' partitions go to it, and it applies the stream."""
+    import uuid
+
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    from eventbus.config import KafkaSettings
+    from eventbus.kafka import delete_topics, ensure_topics, topic_specs
+
+    s = uuid.uuid4().hex[:8]
+    k = KafkaSettings(bootstrap=kafka_bootstrap, events_topic=f"ev-1p-{s}", stats_topic=f"st-1p-{s}",
+                      dlq_topic=f"dlq-1p-{s}", control_topic=f"ctl-1p-{s}")
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    for f in admin.create_topics([NewTopic(t, 1, 1) for t in (k.events_topic, k.stats_topic)]).values():
+        f.result(30)
+    ensure_topics(k)  # the DLQ and the control topic
+    db, group = migrated_database_url, f"mat-standby-{s}"
+    ports = [free_port() for _ in range(3)]
+    workers = []
+    for i, port in enumerate(ports):
+        (tmp_path / str(i)).mkdir()
+        workers.append(materializer(k, db, tmp_path / str(i), group=group,
+                                    KVFLOW_MATERIALIZER_WEB_PORT=str(port)).start())
+    try:
+        def settled() -> bool:
+            answers = [healthz(p) for p in ports]
+            return (all(code == 200 for code, _ in answers) and sum(b["partitions_assigned"] for _, b in answers) == 2
+                    and any(b["status"] == "standby" for _, b in answers))
+        wait_for(settled, 90, what="three workers in one group, one of them a standby")
+        standby = next(i for i, p in enumerate(ports) if healthz(p)[1]["status"] == "standby")
+        body = healthz(ports[standby])[1]
+        assert body["partitions_assigned"] == 0 and body["group_member"] is True and body["reason"] is None
+        node = CoreNode(k, "node-standby", seed=31)
+        rec = Recorder(node)
+        node.run(150)
+        node.finish()
+        wait_for(lambda: applied_through(db, node), 60, what="the owners to apply the stream")
+        for i, w in enumerate(workers):
+            if i != standby:
+                w.kill9()
+        wait_for(lambda: healthz(ports[standby])[1].get("partitions_assigned") == 2, 60,
+                 what="the standby to take both partitions")
+        assert healthz(ports[standby])[1]["status"] == "ok"
+        node.run(150)
+        node.finish()
+        wait_for(lambda: applied_through(db, node), 60, what="the former standby to apply the stream")
+        assert_exact(db, node, rec, k)
+    finally:
+        for w in workers:
+            if w.alive():
+                w.stop()
+        delete_topics(k, [t.name for t in topic_specs(k)])
