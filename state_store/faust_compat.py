@@ -19,6 +19,10 @@ consumer ourselves would mean copying faust's fifty lines of its other settings.
 Also: faust's producer (the DLQ, resync commands on ``kv-control``) gets aiokafka's
 ``enable_idempotence`` (faust has no setting for it; ``acks`` is all already), so that a send
 retried across a broker failover is written once, as the nodes' librdkafka producers do.
+
+And: :func:`group_generation` reads the consumer's generation in its group (aiokafka's
+coordinator, through faust's consumer thread; private attributes of the same versions) for
+``/healthz``, which tells a standby worker (in the group, no partition) from one still joining.
 """
 
 from __future__ import annotations
