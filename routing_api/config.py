@@ -53,6 +53,16 @@ class RouterSettings(BaseSettings):
         "(1 + this) x the fleet's mean is not chosen (0: off)."))
     work_tau_s: float = Field(default=W.work_tau_s, gt=0, description=(
         "Time constant (s) of the decay of the prefill work routed to each node (work_bound)."))
+    ttft_quantile: float = Field(default=W.ttft_quantile, ge=0, lt=1, description=(
+        "The tail guard: a request whose predicted time to first token on the cost's choice (queued) is above "
+        "this quantile of the recent choices' goes to the node where it starts soonest (0: off)."))
+    ttft_tolerance: float = Field(default=W.ttft_tolerance, ge=0, le=1, description=(
+        "The tail guard's nodes: their cached share of the prompt at most this much below the choice's."))
+    ttft_work_slack: float = Field(default=W.ttft_work_slack, ge=1, description=(
+        "The tail guard's nodes: their prefill work lately, this request's included, at most this x the choice's."))
+    prefill_tokens_per_s: float = Field(default=10000.0, gt=0, description=(
+        "A node's prefill rate before the router has measured it (from the first tokens it proxies): "
+        "the tail guard's predicted waits."))
     nodes_cache_s: float = Field(default=0.5, ge=0, description="How long the nodes table is cached.")
     suspect_s: float = Field(default=10.0, ge=0, description="How long a node that failed a request is avoided.")
     account_finished: bool = Field(default=True, description=(

@@ -22,6 +22,7 @@ from eventbus.hashing import prompt_hash_heads
 from eventbus.protocol import NodeId
 from routing_api.errors import Unavailable
 from routing_api.fleet import FleetView
+from routing_api.prefill import guard
 from routing_api.queries import DatabaseUnavailable
 from routing_api.schemas import decision_body
 from routing_api.scoring import Decision, PrefixMatch, decide, overlay
@@ -146,6 +147,8 @@ async def route(state: RouterState, token_ids: Sequence[int] | None, text: str |
                     state.work, state.weights.work_tau_s)
     decision = decide(prompt.blocks, views, matches, state.weights, state.rng, block_size=fleet.block_size,
                       tokens=len(prompt.tokens))
+    guard(decision, state.prefill, state.tail, state.weights, state.settings.prefill_tokens_per_s,
+          fleet.block_size, time.monotonic())
     if prompt.degraded:
         _degrade(state, decision)
     elapsed = time.perf_counter() - t0

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from routing_api.decisions import Routed
 from routing_api.errors import error_body, error_response
 from routing_api.scoring import Candidate, routed_work
-from routing_api.state import RouterState
+from routing_api.state import Proxied, RouterState
 
 log = logging.getLogger("kvflow.router")
 
@@ -53,7 +53,8 @@ async def forward(state: RouterState, routed: Routed, path: str, content: bytes,
         return error_response(503, "no live node to route to", "unavailable")
     refused: list[tuple[str, httpx.HTTPError]] = []
     for cand in ranked:
-        done = state.start_proxy(cand.node_id, cand.prompt_blocks, routed_work(cand))  # in the node's own blocks
+        done = state.start_proxy(cand.node_id, cand.prompt_blocks, routed_work(cand),  # in the node's own blocks
+                                 cand.block_size)
         request = state.client.build_request("POST", f"{cand.url.rstrip('/')}{path}", content=content,
                                            headers={"content-type": "application/json"})
         try:
@@ -79,7 +80,7 @@ async def forward(state: RouterState, routed: Routed, path: str, content: bytes,
     return error_response(502, message[:2000], "upstream_error", node_id=first)
 
 
-async def _answer(upstream: httpx.Response, cand: Candidate, routed: Routed, done: Callable[..., None],
+async def _answer(upstream: httpx.Response, cand: Candidate, routed: Routed, done: Proxied,
                   stream: bool) -> Response:
     """The node's response to the client: streamed (a 200 with ``stream``), else read whole."""
     node = cand.node_id
@@ -107,11 +108,13 @@ def _failed(node: str, exc: BaseException) -> JSONResponse:
                           node_id=node)
 
 
-async def _relay(upstream: httpx.Response, node: str, done: Callable[..., None]) -> AsyncIterator[bytes]:
-    """The node's stream, byte for byte; if it breaks, one last ``data:`` event with the error."""
+async def _relay(upstream: httpx.Response, node: str, done: Proxied) -> AsyncIterator[bytes]:
+    """The node's stream, byte for byte (its first chunk is the request's first token, for the
+    tail guard's queues); if it breaks, one last ``data:`` event with the error."""
     outcome = "ok"
     try:
         async for chunk in upstream.aiter_raw():
+            done.first_token()
             yield chunk
     except httpx.HTTPError as exc:
         outcome = "upstream_error"

@@ -63,6 +63,13 @@ class RoutingWeights:
     work_bound: float = 0.0
     #: The time constant of that work's decay, in seconds.
     work_tau_s: float = 60.0
+    #: The tail guard (:mod:`routing_api.prefill`): a request whose predicted TTFT on the cost's
+    #: choice, queued, is above this quantile of the recent choices' goes where it starts soonest,
+    #: among nodes whose cached share of the prompt is within ``ttft_tolerance`` of the choice's
+    #: and whose work lately is at most ``ttft_work_slack`` × its; 0: off.
+    ttft_quantile: float = 0.0
+    ttft_tolerance: float = 0.35
+    ttft_work_slack: float = 1.1
 
 
 #: The one home of the weights' defaults (``RouterSettings`` takes its defaults from here).

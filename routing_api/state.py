@@ -8,9 +8,10 @@ own: with ``--workers N`` each process has its own (docs/router.md, "Running it"
 from __future__ import annotations
 
 import collections
+import itertools
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,7 @@ from eventbus.protocol import NodeId
 from eventbus.tokenizers import Tokenizer, load_tokenizer
 from routing_api.config import ApiKey, RouterSettings
 from routing_api.fleet import FleetView, fleet_view
+from routing_api.prefill import PrefillQueue, TtftTail
 from routing_api.queries import StateReader
 from routing_api.replica import ReplicaMetrics, ReplicaMonitor, primary_reader
 from routing_api.scoring import Decision, Finished, RoutedWork, RoutingWeights
@@ -120,6 +122,9 @@ class RouterState:
     suspect_until: dict[NodeId, float] = field(default_factory=dict)
     #: per node, the prefill work (uncached prompt blocks) proxied to it, decayed (``time.monotonic()``)
     work: dict[NodeId, RoutedWork] = field(default_factory=dict)
+    #: per node, the prefills proxied to it and not answered yet (the tail guard, ``routing_api.prefill``)
+    prefill: dict[NodeId, PrefillQueue] = field(default_factory=dict)
+    tail: TtftTail = field(default_factory=lambda: TtftTail(0.0))
     recent: collections.deque[dict[str, Any]] = field(default_factory=collections.deque)
     decisions: int = 0
     proxied: int = 0
@@ -130,6 +135,8 @@ class RouterState:
     replication: ReplicaMonitor | None = None
 
     def __post_init__(self) -> None:
+        self.tail = TtftTail(self.weights.ttft_quantile)
+        self._keys = itertools.count()
         if self.templates is None:
             folder = self.settings.tokenizer_dir
             self.templates = ChatTemplates(self.client, self.settings.chat_template_ttl_s,
@@ -184,43 +191,35 @@ class RouterState:
                                 "prompt_tokens": prompt_tokens, "matched_tokens": matched_tokens,
                                 "reason": decision.reason})
 
-    def start_proxy(self, node: NodeId, blocks: int, work: int = 0) -> Callable[..., None]:
+    def start_proxy(self, node: NodeId, blocks: int, work: int = 0, block_size: int = 0) -> Proxied:
         """Count a request proxied to ``node`` with ``blocks`` prompt blocks as in flight, and
-        ``work`` of them not cached there as prefill work routed to it (``RoutedWork``).
+        ``work`` of them not cached there as prefill work routed to it (``RoutedWork``) and as a
+        prefill queued on it (:class:`~routing_api.prefill.PrefillQueue`, at ``block_size`` tokens
+        a block; 0: ``block_size`` of the settings, else 16).
 
         ``blocks`` are in the node's block size (``Candidate.prompt_blocks``), as its heartbeat
         counts its load and as :func:`routing_api.scoring.decide` converts it; so is the
         ``Finished`` record the request leaves.
 
         Returns:
-            ``done(outcome, ran=True)``, to call once when the request has finished: ``"ok"``,
-            ``"client_error"`` (the node answered 4xx) or ``"upstream_error"`` (the node failed:
-            it is then avoided for ``suspect_s``). ``ran=False``: it never reached the node (its
-            connection was refused); otherwise the request is remembered as finished
-            (``finished``: a heartbeat taken while it ran no longer counts its load).
+            the request's :class:`Proxied`: ``first_token()`` when its answer begins, and
+            ``done(outcome, ran=True)`` once when it has finished: ``"ok"``, ``"client_error"``
+            (the node answered 4xx) or ``"upstream_error"`` (the node failed: it is then avoided for
+            ``suspect_s``). ``ran=False``: it never reached the node (its connection was refused);
+            otherwise the request is remembered as finished (``finished``: a heartbeat taken while
+            it ran no longer counts its load).
         """
         inf = self.inflight[node]
         inf.requests += 1
         inf.blocks += blocks
         self.metrics.inflight.labels(node).set(inf.requests)
         self.proxied += 1
-        started = time.time()
         self.add_work(node, work)
-
-        def done(outcome: str, ran: bool = True) -> None:
-            inf.requests -= 1
-            inf.blocks -= blocks
-            self.metrics.inflight.labels(node).set(inf.requests)
-            self.metrics.proxied.labels(node, outcome).inc()
-            if outcome == "upstream_error":
-                self.upstream_errors += 1
-                self.suspect_until[node] = time.monotonic() + self.settings.suspect_s
-            if not ran:
-                self.add_work(node, -work)
-            if ran and self.settings.account_finished:
-                self.record_finished(node, Finished(started, time.time(), blocks))
-
-        return done
+        queue = self.prefill.get(node)
+        if queue is None:
+            size = block_size or self.settings.block_size or 16
+            queue = self.prefill[node] = PrefillQueue(size / self.settings.prefill_tokens_per_s)
+        return Proxied(self, node, blocks, work, queue, next(self._keys))
 
     def add_work(self, node: NodeId, blocks: int) -> None:
         """Add ``blocks`` of prefill work to ``node``'s (negative: take a refused request's back off)."""
@@ -246,3 +245,42 @@ class RouterState:
     def is_suspect(self, node_id: NodeId) -> bool:
         """Whether the node failed a proxied request less than ``suspect_s`` ago."""
         return self.suspect_until.get(node_id, 0) > time.monotonic()
+
+
+class Proxied:
+    """One proxied request's accounting in the router's state (:meth:`RouterState.start_proxy`)."""
+
+    def __init__(self, state: RouterState, node: NodeId, blocks: int, work: int, queue: PrefillQueue,
+                 key: int) -> None:
+        self.state, self.node, self.blocks, self.work, self.queue, self.key = state, node, blocks, work, queue, key
+        self.started = time.time()
+        self.answered = False
+        queue.add(key, work, time.monotonic())
+
+    def first_token(self) -> None:
+        """Its answer began (a stream's first chunk): its prefill is done."""
+        if not self.answered:
+            self.answered = True
+            self.queue.first_token(self.key, time.monotonic())
+
+    def __call__(self, outcome: str, ran: bool = True) -> None:
+        """It has finished (see :meth:`RouterState.start_proxy`); a whole answer (not streamed) is
+        its first token too."""
+        state, node = self.state, self.node
+        if not self.answered and ran and outcome != "upstream_error":
+            self.first_token()
+        elif not self.answered:
+            self.answered = True
+            self.queue.cancel(self.key)
+        inf = state.inflight[node]
+        inf.requests -= 1
+        inf.blocks -= self.blocks
+        state.metrics.inflight.labels(node).set(inf.requests)
+        state.metrics.proxied.labels(node, outcome).inc()
+        if outcome == "upstream_error":
+            state.upstream_errors += 1
+            state.suspect_until[node] = time.monotonic() + state.settings.suspect_s
+        if not ran:
+            state.add_work(node, -self.work)
+        if ran and state.settings.account_finished:
+            state.record_finished(node, Finished(self.started, time.time(), self.blocks))

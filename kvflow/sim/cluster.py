@@ -66,6 +66,7 @@ from inference_node.kv.manager import KvCacheConfig, KVCacheManager, OutOfBlocks
 from inference_node.kv.prompt import Prompt
 from kvflow.sim.workloads import BLOCK_TOKENS, SimRequest
 from kvflow.traces import belady_hit_rate
+from routing_api.prefill import PrefillQueue, TtftTail, guard
 from routing_api.scoring import (
     DEFAULT_WEIGHTS,
     NodeView,
@@ -77,6 +78,9 @@ from routing_api.scoring import (
     routed_work,
 )
 
+#: The prefill rate the router assumes of a node it has not measured yet (the router's default,
+#: ``KVFLOW_ROUTER_PREFILL_TOKENS_PER_S``): its queues learn the simulated nodes' own.
+ROUTER_PREFILL_TOKENS_PER_S = 10000.0
 ROUTING = ("random", "round_robin", "least_loaded", "kv_aware", "dynamo_cost", "sglang", "llm_d", "kv_aware_load")
 EVICTION = ("lru", "priority", "adaptive")
 
@@ -246,15 +250,34 @@ class RouterPolicy:
     """kvflow's router: :func:`routing_api.scoring.decide` over the nodes' true prefixes and their
     loads as the router knows them: its own count of the requests (and their prompt blocks) in hand
     on each node — exact, the router being the only one — and the queue each node reports (its
-    heartbeat's ``queued_requests``: the requests waiting for their prefill), without delay."""
+    heartbeat's ``queued_requests``: the requests waiting for their prefill), without delay; then
+    the tail guard (:func:`routing_api.prefill.guard`) over the prefill queues the router keeps,
+    which learn each node's rate from the first tokens it sees (:meth:`admitted` tells it when
+    each request's comes)."""
 
     def __init__(self, weights: RoutingWeights, rng: random.Random) -> None:
         self.weights, self.rng = weights, rng
         self.ids: list[NodeId] = []
         #: the prefill work it routed to each node, as the router keeps it (``RouterState.work``)
         self.work: dict[NodeId, RoutedWork] = {}
+        #: the prefills it sent each node and has not seen answer (``RouterState.prefill``)
+        self.queues: dict[NodeId, PrefillQueue] = {}
+        self.tail = TtftTail(weights.ttft_quantile)
+        #: (first token, key, node) of the requests sent: the router sees each when its time comes
+        self.answers: list[tuple[float, int, NodeId]] = []
+        self.sent: tuple[int, NodeId] | None = None
+        self.key = 0
+
+    def admitted(self, first_token_at: float) -> None:
+        """The request just chosen gets its first token at ``first_token_at``."""
+        if self.sent is not None:
+            heapq.heappush(self.answers, (first_token_at, *self.sent))
+            self.sent = None
 
     def choose(self, req: SimRequest, prompt: Prompt, nodes: Sequence[SimNode]) -> int:
+        while self.answers and self.answers[0][0] <= req.t:
+            at, key, nid = heapq.heappop(self.answers)
+            self.queues[nid].first_token(key, at)
         if len(self.ids) != len(nodes):
             self.ids = [NodeId(str(j)) for j in range(len(nodes))]
         views: list[NodeView] = []
@@ -267,9 +290,18 @@ class RouterPolicy:
             inflight[nid] = InHand(nd.inflight, nd.inflight_blocks)
         tau = self.weights.work_tau_s
         views = overlay(views, {}, inflight, req.t, work=self.work, tau=tau)  # as the router lays its state over
-        chosen = decide(len(prompt.digests), views, pm, self.weights, self.rng).chosen
+        decision = decide(len(prompt.digests), views, pm, self.weights, self.rng)
+        guard(decision, self.queues, self.tail, self.weights, ROUTER_PREFILL_TOKENS_PER_S, BLOCK_TOKENS, req.t)
+        chosen = decision.chosen
         assert chosen is not None
-        self.work[chosen.node_id] = self.work.get(chosen.node_id, RoutedWork()).plus(routed_work(chosen), req.t, tau)
+        work = routed_work(chosen)
+        self.work[chosen.node_id] = self.work.get(chosen.node_id, RoutedWork()).plus(work, req.t, tau)
+        queue = self.queues.get(chosen.node_id)
+        if queue is None:
+            queue = self.queues[chosen.node_id] = PrefillQueue(BLOCK_TOKENS / ROUTER_PREFILL_TOKENS_PER_S)
+        self.key += 1
+        queue.add(self.key, work, req.t)
+        self.sent = (self.key, chosen.node_id)
         return int(chosen.node_id)
 
 
@@ -324,6 +356,8 @@ def simulate(requests: Sequence[SimRequest], *, nodes: int, capacity: int, routi
     servers = [(0.0, j) for j in range(nodes)]  # pooled: (free at, server) of its N servers
     per_server = [[0, 0] for _ in range(nodes)]  # pooled: requests, prefill tokens
     res = SimResult(workload, nodes, capacity, routing, eviction)
+    #: a policy may want to know when each request it chose gets its first token (the router's view)
+    admitted = getattr(policy, "admitted", None)
     queue_total = 0.0
     for i, req in enumerate(requests):
         prompt = _prompt(req)
@@ -357,6 +391,8 @@ def simulate(requests: Sequence[SimRequest], *, nodes: int, capacity: int, routi
             per_server[j][1] += uncached
         else:
             start = nd.admit(req.t, blocks, prefill, req.output_tokens * decode_s_per_token)
+            if admitted is not None:
+                admitted(start + prefill)
             nd.requests += 1
             nd.prefill_tokens += uncached
         queue_total += start - req.t
