@@ -147,8 +147,9 @@ async def route(state: RouterState, token_ids: Sequence[int] | None, text: str |
                     state.work, state.weights.work_tau_s)
     decision = decide(prompt.blocks, views, matches, state.weights, state.rng, block_size=fleet.block_size,
                       tokens=len(prompt.tokens))
-    guard(decision, state.prefill, state.tail, state.weights, state.settings.prefill_tokens_per_s,
-          fleet.block_size, time.monotonic())
+    if guard(decision, state.prefill, state.tail, state.weights, state.settings.prefill_tokens_per_s,
+             fleet.block_size, time.monotonic()) is not None:
+        state.metrics.tail_guard.inc()
     if prompt.degraded:
         _degrade(state, decision)
     elapsed = time.perf_counter() - t0

@@ -61,6 +61,8 @@ class Metrics:
         self.proxied = Counter("kvflow_router_proxied_total", "Completions proxied", ["node", "outcome"], registry=r)
         self.inflight = Gauge("kvflow_router_inflight_requests", "Proxied requests not finished", ["node"],
                               registry=r)
+        self.tail_guard = Counter("kvflow_router_tail_guard_total", "Requests the tail guard sent elsewhere than "
+                                  "the cost's choice (routing_api.prefill)", registry=r)
         self.degraded = Counter("kvflow_router_degraded_decisions", "Decisions made without PostgreSQL "
                                 "(the last known fleet, by load alone)", registry=r)
         self.replica = ReplicaMetrics(r)

@@ -9,7 +9,8 @@ prefill tokens over the mean, and the time to first token (p50 / p99) of the que
 each request in hand — counted by the router — until its last token at ``DECODE_S_PER_TOKEN``.
 
 kvflow's policy (``kv_aware_load``) is :func:`routing_api.scoring.decide` with the router's default
-load bound and :data:`SIM_WEIGHTS`. The runs are independent: they are spread over processes
+load bound and :data:`SIM_WEIGHTS`, then the tail guard (:func:`routing_api.prefill.guard`). The
+runs are independent: they are spread over processes
 (one task per trace and capacity).
 
 JSON (``BenchResult``): on the Mooncake trace at the reference capacity, as before,
@@ -43,9 +44,10 @@ PREFILL_S_PER_TOKEN = 1e-4
 DECODE_S_PER_TOKEN = 0.02
 #: The router's weights in the simulator: its defaults (the load bound on) with a cached block worth
 #: 24 blocks of load (KVFLOW_ROUTER_OVERLAP_WEIGHT=24): the cost follows the cache, the bound keeps
-#: the balance; and the bound on prefill work routed lately (KVFLOW_ROUTER_WORK_BOUND=0.25,
-#: KVFLOW_ROUTER_WORK_TAU_S=60). Chosen on the Mooncake trace, multi_turn, agentic and hot_prefixes
-#: (docs/router.md).
+#: the balance; the bound on prefill work routed lately (KVFLOW_ROUTER_WORK_BOUND=0.25,
+#: KVFLOW_ROUTER_WORK_TAU_S=60), chosen on the Mooncake trace, multi_turn, agentic and hot_prefixes;
+#: and the tail guard (KVFLOW_ROUTER_TTFT_QUANTILE=0.9, its tolerance 0.35 and work slack 1.1 the
+#: defaults), chosen on the Mooncake trace and every family (docs/router.md, "The tail guard").
 SIM_WEIGHTS = dataclasses.replace(DEFAULT_WEIGHTS, overlap_weight=24.0, work_bound=0.25, work_tau_s=60.0,
                                   ttft_quantile=0.9)
 POLICIES = ("pooled", *ROUTING)
@@ -180,7 +182,9 @@ def routing_report(study: RoutingStudy) -> list[str]:
              + "; kvflow = `kv_aware_load` (the router's `decide`, load bound "
              f"ε = {SIM_WEIGHTS.load_bound}, work bound {SIM_WEIGHTS.work_bound} over "
              f"τ = {SIM_WEIGHTS.work_tau_s:g} s, "
-             f"overlap weight {SIM_WEIGHTS.overlap_weight:g}). Worst over capacities "
+             f"overlap weight {SIM_WEIGHTS.overlap_weight:g}, tail guard at the p{SIM_WEIGHTS.ttft_quantile * 100:g} "
+             f"of predicted TTFT, tolerance {SIM_WEIGHTS.ttft_tolerance:g}, work slack "
+             f"{SIM_WEIGHTS.ttft_work_slack:g}). Worst over capacities "
              f"{', '.join(f'{c:,}' for c in study.capacities)}:", "",
              "| trace | kvflow vs pooled (min) | busiest / mean prefill (worst) | TTFT p99 vs round-robin (max) | "
              "vs least-loaded (max) |", "| --- | ---: | ---: | ---: | ---: |"]
