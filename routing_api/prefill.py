@@ -103,6 +103,11 @@ class PrefillQueue:
         """How long a request sent now would wait for the node's pending prefills (seconds)."""
         return self.busy_until - now if self.pending and self.busy_until > now else 0.0
 
+    def describe(self, now: float) -> dict[str, float | int]:
+        """What the router knows of the node's prefills (``GET /v1/stats``)."""
+        return {"pending": len(self.pending), "pending_blocks": self.blocks, "wait_s": round(self.wait(now), 4),
+                "s_per_block": round(self.s_per_block, 6), "measured": self.measured}
+
 
 class TtftTail:
     """The ``quantile`` of the predicted TTFT of the last ``window`` choices, recomputed every
@@ -114,8 +119,12 @@ class TtftTail:
         self.threshold = float("inf")
         self._since = 0
 
-    def observe(self, predicted_s: float) -> None:
-        self.recent.append(predicted_s)
+    def describe(self) -> dict[str, float | int | None]:
+        return {"quantile": self.quantile, "observed": len(self.recent),
+                "threshold_tokens": None if self.threshold == float("inf") else round(self.threshold, 1)}
+
+    def observe(self, predicted: float) -> None:
+        self.recent.append(predicted)
         self._since += 1
         if self._since >= self.every:
             self._since = 0

@@ -62,6 +62,8 @@ def _counts(state: RouterState) -> dict[str, int]:
 async def stats(state: State, _: ApiKey | None = scope("read")) -> dict[str, Any]:
     return {**_counts(state),
             "inflight": {k: asdict(v) for k, v in state.inflight.items() if v.requests},
+            "tail_guard": {**state.tail.describe(),
+                           "prefill": {k: q.describe(time.monotonic()) for k, q in state.prefill.items()}},
             "uptime_s": round(time.time() - state.started, 1), "weights": asdict(state.weights),
             "tokenizer": state.tokenizer.name, "chat_templates": state.templates.describe(),
             "replication": state.replication.state.json() if state.replication is not None else None,

@@ -35,7 +35,9 @@ def fleet(kafka_bootstrap, pg_owner_url, tmp_path_factory):
         router = ServiceProcess(["router", "--port", str(port), "--log-level", "warning"],
                                 {**kafka_env(kafka), "KVFLOW_DATABASE_READER_URL":
                                  reader.render_as_string(hide_password=False),
-                                 "KVFLOW_ROUTER_NODES_CACHE_S": "0.1"}, tmp / "router.log").start()
+                                 "KVFLOW_ROUTER_NODES_CACHE_S": "0.1",
+                                 # the tail guard on: it sees each stream's first chunk
+                                 "KVFLOW_ROUTER_TTFT_QUANTILE": "0.9"}, tmp / "router.log").start()
         base = f"http://127.0.0.1:{port}"
         try:
             wait_for(lambda: all(applied_through_id(owner, f"sdk-{x}") for x in "ab"), 60, what="both nodes")
@@ -49,7 +51,7 @@ def fleet(kafka_bootstrap, pg_owner_url, tmp_path_factory):
 
             wait_for(routable, 60, what="the router to route to both nodes")
             yield {"client": openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60),
-                   "db": owner}
+                   "db": owner, "base": base}
         finally:
             router.stop()
             for proc, _ in nodes:
@@ -70,6 +72,21 @@ def test_completions_plain_and_streamed_with_usage(sdk):
                                          stream=True, stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == out.choices[0].text
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
+
+
+def test_the_tail_guard_sees_every_answer_and_learns_the_nodes_rates(fleet, sdk):
+    """With the guard on, every proxied request leaves its node's prefill queue when it answers
+    (a stream's first chunk, a whole response), and the first tokens measure each node's rate."""
+    for i in range(6):
+        list(sdk.completions.create(model=MODEL, prompt=f"Tail guard {i} " * 20, max_tokens=2, temperature=0,
+                                    stream=True))
+        sdk.completions.create(model=MODEL, prompt=f"Whole {i} " * 20, max_tokens=2, temperature=0)
+    guard = httpx.get(f"{fleet['base']}/v1/stats", timeout=10).json()["tail_guard"]
+    assert guard["quantile"] == 0.9 and guard["observed"] >= 12
+    prefill = guard["prefill"]
+    assert prefill and all(q["pending"] == 0 and q["pending_blocks"] == 0 for q in prefill.values())
+    assert sum(q["measured"] for q in prefill.values()) >= 1  # rates measured from real first tokens
+    assert all(q["s_per_block"] > 0 for q in prefill.values())
 
 
 def test_chat_plain_and_streamed(sdk):
