@@ -92,11 +92,12 @@ def test_three_brokers_come_up_with_replicated_topics_and_status_shows_each(clus
     res = ConfigResource("topic", "kv-events")
     assert admin.describe_configs([res])[res].result()["min.insync.replicas"].value == "2"
     # `kvflow topics ensure` with its defaults: 3 replicas on a cluster of three (1 on one broker).
-    from eventbus.config import KafkaSettings
-    from eventbus.kafka import ensure_topics
-
     own = KafkaSettings(bootstrap=cluster.kafka.address, events_topic=f"ev-auto-{time.time_ns()}")
     assert own.replication_factor == 0 and own.events_topic in ensure_topics(own)
+    # ensure_topics waited until the broker its client asks knew the topic; the broker this
+    # client asks may learn it a moment later (each broker follows the KRaft metadata log on its own)
+    wait_for(lambda: own.events_topic in admin.list_topics(timeout=10).topics, 10,
+             what="the new topic in the metadata of the broker asked")
     md = admin.list_topics(timeout=10)
     assert {len(p.replicas) for p in md.topics[own.events_topic].partitions.values()} == {3}
 
