@@ -12,7 +12,8 @@ only:
 * **The queue.** Per node, the prefills this router sent and has not seen answer
   (:class:`PrefillQueue`): their uncached blocks, in the order sent, and an estimate of when the node
   is done with them, at the node's prefill rate — learned from the first tokens the router sees
-  (its streams' first chunk; a response that is not streamed counts when it arrives). A request's
+  (its streams' first chunks; a response that is not streamed leaves the queue when it arrives,
+  and measures nothing). A request's
   *predicted TTFT* on a node is that wait plus its own uncached blocks at the node's rate.
 * **The tail.** :class:`TtftTail` keeps the predicted TTFT of the cost's recent choices — in
   prefill tokens of the chosen node (the prediction over its rate per token), so that the rates
@@ -45,6 +46,8 @@ RATE_LEARNING = 0.1
 #: A first token's measurement is clamped to this factor of the estimate either way (an outlier:
 #: a node that batched, paused, or served other routers' requests first).
 RATE_CLAMP = 4.0
+#: The predictions the tail is the quantile of (docs/router.md, "The tail guard": 2,000 kept every
+#: goal of the routing study, 1,000 did not).
 WINDOW = 2000
 
 
@@ -72,9 +75,10 @@ class PrefillQueue:
         self.blocks += blocks
         self.busy_until = max(self.busy_until, now) + blocks * self.s_per_block
 
-    def first_token(self, key: int, now: float) -> None:
+    def first_token(self, key: int, now: float, learn: bool = True) -> None:
         """The request ``key`` answered (its first token): its prefill is done, and, if it was the
-        oldest, its time since the node began it measures the node's rate."""
+        oldest and ``learn`` (a stream's first chunk, not a whole response: that time includes the
+        decoding), its time since the node began it measures the node's rate."""
         item = self.pending.get(key)
         if item is None:
             return
@@ -82,12 +86,12 @@ class PrefillQueue:
         head = next(iter(self.pending)) == key
         del self.pending[key]
         self.blocks -= blocks
-        if head and blocks > 0:
+        if head and blocks > 0 and learn:
             measured = (now - max(sent, self.head_since)) / blocks
             lo, hi = self.s_per_block / RATE_CLAMP, self.s_per_block * RATE_CLAMP
             self.measured += 1  # the mean of the first measurements, then a moving average
-            learn = max(RATE_LEARNING, 1.0 / self.measured)
-            self.s_per_block += learn * (min(hi, max(lo, measured)) - self.s_per_block)
+            step = max(RATE_LEARNING, 1.0 / self.measured)
+            self.s_per_block += step * (min(hi, max(lo, measured)) - self.s_per_block)
         if head:
             self.head_since = now
         self.busy_until = now + self.blocks * self.s_per_block

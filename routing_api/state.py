@@ -266,14 +266,16 @@ class Proxied:
             self.queue.first_token(self.key, time.monotonic())
 
     def __call__(self, outcome: str, ran: bool = True) -> None:
-        """It has finished (see :meth:`RouterState.start_proxy`); a whole answer (not streamed) is
-        its first token too."""
+        """It has finished (see :meth:`RouterState.start_proxy`). Not answered before, it leaves
+        its node's prefill queue: a whole answer (not streamed) as done, without measuring the
+        node's rate (its time includes the decoding); a 4xx or a failure as never prefilled."""
         state, node = self.state, self.node
-        if not self.answered and ran and outcome != "upstream_error":
-            self.first_token()
-        elif not self.answered:
+        if not self.answered:
             self.answered = True
-            self.queue.cancel(self.key)
+            if ran and outcome == "ok":
+                self.queue.first_token(self.key, time.monotonic(), learn=False)
+            else:
+                self.queue.cancel(self.key)
         inf = state.inflight[node]
         inf.requests -= 1
         inf.blocks -= self.blocks

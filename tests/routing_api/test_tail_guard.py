@@ -184,3 +184,18 @@ def test_the_simulator_runs_the_guard_over_the_queues_the_router_would_keep():
     # saw every request answer but those whose first token is still to come
     assert all(q.s_per_block == pytest.approx(BLOCK_TOKENS * 1e-4) for q in p.queues.values())
     assert sum(len(q.pending) for q in p.queues.values()) <= 2 and len(r.ttft_s) == 200
+
+
+def test_a_whole_response_leaves_the_queue_without_measuring_and_a_4xx_is_taken_off():
+    s = _state(lambda r: httpx.Response(200))
+    whole = s.start_proxy("n", 10, 10, 16)
+    whole("ok")  # not streamed: its time includes the decoding
+    q = s.prefill["n"]
+    assert not q.pending and q.measured == 0 and q.s_per_block == 0.01
+    rejected = s.start_proxy("n", 10, 10, 16)
+    rejected("client_error")  # a 4xx: nothing was prefilled
+    assert not q.pending and q.measured == 0 and q.wait(0.0) == 0.0
+    streamed = s.start_proxy("n", 10, 10, 16)
+    streamed.first_token()
+    streamed("ok")
+    assert not q.pending and q.measured == 1
