@@ -780,17 +780,20 @@ class Postgres:
         shutil.copyfile(sql, tmp)  # readable by the postgres user wherever the checkout is
         if is_root():
             os.chmod(tmp, 0o644)
-        psql = [self._bin("psql"), "-X", "-q", "-h", str(self.sockets), "-p", str(self.port),
-                "-U", "postgres", "-d", "postgres", "-v", "ON_ERROR_STOP=1",
-                "-v", "owner_password=kvflow", "-v", "reader_password=kvflow_reader",
-                "-f", str(tmp)]
-        run(self._as_pg(psql), log=self.paths.logs / "postgres-bootstrap.log", timeout=120,
+        psql = self.superuser_psql("-v", "owner_password=kvflow", "-v", "reader_password=kvflow_reader",
+                                   "-f", str(tmp))
+        run(psql, log=self.paths.logs / "postgres-bootstrap.log", timeout=120,
             what="creating the kvflow database and roles")
         # Development only: the owner may create databases, so that each integration test gets
         # its own (production deployments don't grant this; see deploy/postgres/roles.sql).
-        run(self._as_pg([self._bin("psql"), "-X", "-q", "-h", str(self.sockets), "-p", str(self.port),
-                         "-U", "postgres", "-d", "postgres", "-c", "ALTER ROLE kvflow CREATEDB"]),
+        run(self.superuser_psql("-c", "ALTER ROLE kvflow CREATEDB"),
             log=self.paths.logs / "postgres-bootstrap.log", timeout=60, what="granting CREATEDB")
+
+    def superuser_psql(self, *args: str) -> list[str]:
+        """The command line of ``psql`` as the cluster's superuser on its ``postgres`` database (over
+        the local socket, stopping at the first error; as the ``postgres`` user when root), with ``args``."""
+        return self._as_pg([self._bin("psql"), "-X", "-q", "-h", str(self.sockets), "-p", str(self.port),
+                            "-U", "postgres", "-d", "postgres", "-v", "ON_ERROR_STOP=1", *args])
 
     def up(self, say: Callable[[str], None]) -> str:
         if self.external_url:
@@ -899,12 +902,10 @@ class PostgresReplica:
             os.chown(self.base, pw.pw_uid, pw.pw_gid)
         self.base.chmod(0o700)
         # A slot left by a standby made before (its folder removed) would keep WAL for nobody.
-        run(p._as_pg([p._bin("psql"), "-X", "-q", "-h", str(p.sockets), "-p", str(p.port), "-U", "postgres",
-                      "-d", "postgres", "-v", "ON_ERROR_STOP=1",
-                      "-c", f"ALTER SYSTEM SET max_slot_wal_keep_size = '{REPLICA_SLOT_KEEP}'",
-                      "-c", "SELECT pg_reload_conf()",
-                      "-c", "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots"
-                            f" WHERE slot_name = '{REPLICA_SLOT}' AND NOT active"]),
+        run(p.superuser_psql("-c", f"ALTER SYSTEM SET max_slot_wal_keep_size = '{REPLICA_SLOT_KEEP}'",
+                             "-c", "SELECT pg_reload_conf()",
+                             "-c", "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots"
+                                   f" WHERE slot_name = '{REPLICA_SLOT}' AND NOT active"),
             log=self.paths.logs / "postgres-replica.log", timeout=60, what="preparing the replication slot")
         run(p._as_pg([p._bin("pg_basebackup"), "-h", str(p.sockets), "-p", str(p.port), "-U", "postgres",
                       "-D", str(self.data), "-R", "-C", "-S", REPLICA_SLOT, "-X", "stream", "-c", "fast"]),

@@ -126,7 +126,8 @@ class RouterState:
     work: dict[NodeId, RoutedWork] = field(default_factory=dict)
     #: per node, the prefills proxied to it and not answered yet (the tail guard, ``routing_api.prefill``)
     prefill: dict[NodeId, PrefillQueue] = field(default_factory=dict)
-    tail: TtftTail = field(default_factory=lambda: TtftTail(0.0))
+    #: the tail of predicted TTFTs (its quantile: ``weights.ttft_quantile``)
+    tail: TtftTail = field(init=False)
     recent: collections.deque[dict[str, Any]] = field(default_factory=collections.deque)
     decisions: int = 0
     proxied: int = 0
