@@ -58,6 +58,10 @@ TRANSIENT = (
     asyncpg.AdminShutdownError,
     asyncpg.CrashShutdownError,
     asyncpg.QueryCanceledError,
+    # a connection broken mid-operation (PostgreSQL went away under a query), raised when the pool
+    # resets it on release: the pool drops it, and the next try gets a new one. Seen in a
+    # fresh-clone run, crashing the worker through its liveness timer while PostgreSQL restarted.
+    asyncpg.InternalClientError,
 )
 
 

@@ -397,6 +397,18 @@ async def test_a_goodbye_is_decoded_and_drops_the_workers_cache():
     assert m.pipeline.planner.generation == gen + 1
 
 
+async def test_a_connection_broken_mid_operation_skips_the_liveness_check_instead_of_crashing():
+    import asyncpg
+
+    m, w, _ = make()
+    # what asyncpg's pool raised releasing a connection PostgreSQL had dropped mid-query
+    w.transient = [asyncpg.InternalClientError("cannot switch to state 15; another operation (2) is in progress")]
+    await m.liveness()  # skipped, not raised (a faust timer's exception crashes the worker)
+    assert not m.db_ok
+    await m.liveness()
+    assert m.db_ok
+
+
 async def test_liveness_prunes_long_gone_nodes_and_drops_the_cache_when_nodes_go_or_are_pruned():
     m, w, _ = make()
     gen = m.pipeline.planner.generation
