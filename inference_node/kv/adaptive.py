@@ -1,50 +1,48 @@
-"""Adaptive priorities: a cache without client hints that learns, online, what its traffic reuses.
+"""Adaptive priorities: a cache without client hints that learns, online, what its traffic rewards.
 
 When a request brings no retention config, the core asks this policy for each new block's
-priority and retention duration, and, when a block is reused, whether to raise it. The policy
-speaks only the core's own language (priorities and durations, which show up in events and SQL
-like any client's; eviction stays "lowest priority first, least recently used first, leaves
-only"), and a client's explicit retention config always wins: the policy is never asked then.
+priority, and, when a block is reused, whether to raise it. The policy speaks only the core's own
+language: priorities, which show up in events and SQL like any client's (it gives no retention
+durations), and eviction stays exactly "lowest priority first, least recently used first, leaves
+only". A client's explicit retention config always wins: the policy is never asked then, and a
+block a client re-prioritizes is the client's for good.
 
-**Classes.** Every block belongs to a class, from what is known when it is stored or reused:
+**Three bands**, evicted in this order:
 
-* a new prompt block: whether its request continued an earlier prompt (a prefix hit beyond the
-  first block) or started fresh, its distance from the prompt's end (0, 1, 2–3, 4+ blocks), and
-  the prompt's size (≤ 4, ≤ 16, ≤ 64, > 64 blocks); blocks of generated tokens form their own
-  classes (by prompt size);
-* a reused block — and a block that returns while remembered as a *ghost* (evicted lately: ARC's
-  and S3-FIFO's lesson that a block asked for again soon after eviction is a frequent one) — by
-  how often it has been reused (1, 2, 3–5, 6+).
+* **junk** (``junk_priority``, below 35): a new block of a *class* that is almost never reused;
+* **recency** (35, the default): any other new block, seen once;
+* **frequency** (36): a block reused at least once, or one that returns soon after its eviction
+  (a miss on a *ghost*: an evicted block still remembered).
 
-**What it learns.** Per class, as the cache runs: how many of its blocks were reused and how many
-left unused (evicted and then never asked for while remembered as a ghost), and how long a reuse
-took (``decay`` forgets old observations). From that, the *value density* of a class: its reuse
-probability over its expected time to reuse (hits per block-second). It also follows the cache's
-*horizon*: how long a block sits unused before eviction takes it (a moving average of the idle
-time of evicted blocks) — the time LRU alone would keep a block.
+That is ARC's and S3-FIFO's structure in priorities: a block seen once waits in a probationary
+space (ARC's T1, S3-FIFO's small FIFO) and is evicted before the blocks seen twice (T2, the main
+FIFO); a block asked for again soon after its eviction goes straight to the protected space (a
+hit in ARC's ghost lists, in S3-FIFO's ghost FIFO). Unlike ARC, the probationary space has no
+target size of its own: it is evicted first whatever its size, and what decides between that and
+recency alone is the guard (below). On a prefix cache this is what paid: measured against ARC's
+adaptive target size in the core, on every workload named in docs/benchmarks.md.
 
-**How it decides.**
+**Classes** (for the junk band), from what is known when a block is stored: whether its request
+continued an earlier prompt (a prefix hit beyond the first block), its distance from the prompt's
+end (0, 1, 2–3, 4+ blocks) and the prompt's size (≤ 4, ≤ 16, ≤ 64, > 64 blocks); generated blocks
+by prompt size; reused blocks by how often they were reused (1, 2, 3–5, 6+). Per class the policy
+counts reuses and blocks that left unused (evicted, then never asked for while remembered as a
+ghost: ``ghost_capacity``), forgetting old observations (``decay``); a class whose reuse
+probability is below ``junk_probability`` is junk.
 
-* a class whose reuse probability is below ``junk_probability`` gets ``junk_priority`` (no
-  duration): evicted first;
-* every other class is ranked by value density onto priorities ``min_priority``..``max_priority``
-  (all above the default 35), with a retention duration of ``duration_factor`` × its typical time
-  to reuse — for reused classes at least ``duration_factor`` × the horizon, so that what is reused
-  again and again outlives LRU's horizon (ARC's frequency side; with a larger cache the horizon is
-  longer and so is the protection). A block not reused by then falls back to 35, where LRU takes
-  over: protection always ends, stale blocks cannot squat.
+**The guard.** Two sampled shadows (SHARDS-style spatial sampling, Waldspurger et al., FAST 2015:
+a digest is in the sample when its first byte is below a threshold, and a shadow holds the same
+share of the capacity) replay every lookup: plain LRU, and the bands (a probationary and a
+protected LRU list, the probationary one evicted first, with ghosts). While the bands are on, the
+cache's own prefix hits on the sampled blocks are compared with the LRU shadow's; when they fall
+behind by more than ``guard_margin`` of the sampled blocks (a moving average, ``guard_rate``), the
+bands are turned off: every block the policy prioritized returns to 35 (the core's
+``revoke_adaptive``) and new ones are stored at 35 — exactly LRU. While off, the bands' shadow is
+compared with the LRU shadow, and the bands return when it leads by the same margin.
 
-**The guard.** A shadow LRU cache of the same size, on a sample of the digests (SHARDS-style
-spatial sampling, Waldspurger et al., FAST 2015: a digest is in the sample when its first byte is
-below a threshold, and the shadow holds the same share of the capacity), measures what plain LRU
-would have hit on the sampled blocks; the cache's own hits on the same blocks are counted too.
-Every ``window`` sampled blocks, the *strength* of the protection goes up a step if the cache beat
-the shadow and down ``down_factor`` steps if not. At strength 0 every block is stored at 35 with no
-duration: exactly LRU. So where its predictions do not pay, the policy backs off to LRU.
-
-Its state is bounded: per-class counters, the ghosts (``ghost_capacity``), the shadow
-(``shadow_capacity`` × the sampling rate). Deterministic: the same calls give the same decisions.
-It only ever *raises* a reused block (a client's system prompt pinned at 100 stays there).
+Its state is bounded: per-class counters, the ghosts (``ghost_capacity``), the shadows (about
+``shadow_sample_blocks`` each, their ghosts as many). Deterministic: the same calls give the same
+decisions. It only ever *raises* a reused block (a client's system prompt pinned at 100 stays).
 """
 
 from __future__ import annotations
@@ -59,13 +57,16 @@ from eventbus.protocol import DEFAULT_PRIORITY
 if TYPE_CHECKING:
     from inference_node.kv.block import Block
 
+#: The recency band (ARC's T1, S3-FIFO's small FIFO) and the frequency band (T2, the main FIFO).
+RECENCY_PRIORITY = DEFAULT_PRIORITY
+FREQUENCY_PRIORITY = DEFAULT_PRIORITY + 1
 #: Class ids: 0..31 new prompt blocks, 64..67 decode blocks, 68..71 reused blocks (32..63 unused).
 _DIST = (0, 1, 2, 2, 3)  # distance from the prompt's end -> bucket (4+ -> 3)
 _REUSE_CLASSES = 4
 _DECODE_BASE = 64
 _REUSED_BASE = 68
 NUM_CLASSES = _REUSED_BASE + _REUSE_CLASSES
-#: A retention decision: priority, duration (None: none), class.
+#: A retention decision: priority, duration (always None: the policy gives none), class.
 Retention = tuple[int, float | None, int]
 
 
@@ -92,57 +93,80 @@ class BlockContext:
     is_decode: bool  # holds generated tokens only
 
 
+@dataclass(frozen=True)
+class AdaptivePolicy:
+    """The adaptive policy's settings (see the module docstring); what it learns lives in an
+    :class:`AdaptiveLearner`, one per cache. Which data chose the defaults: docs/benchmarks.md
+    ("Adaptive eviction")."""
+
+    #: A class reused less often than this is junk: stored at ``junk_priority``.
+    junk_probability: float = 0.1
+    junk_priority: int = 5
+    #: The reuse probability a class starts from, weighted as ``min_samples`` observations.
+    prior_probability: float = 0.25
+    min_samples: float = 20.0
+    #: Exponential forgetting of old observations (1.0 = keep all), per observation of a class.
+    decay: float = 0.99
+    #: Evicted blocks remembered for the classes' counts (digest -> class), so that a later miss
+    #: on one counts as the reuse it would have been. In blocks; 0 = 4 x the cache.
+    ghost_capacity: int = 0
+    #: The sampled blocks each shadow aims to hold: the sampling rate is
+    #: ``min(1, shadow_sample_blocks / capacity)``.
+    shadow_sample_blocks: int = 2048
+    #: Weight of one lookup in the guard's moving average of (own - LRU) sampled hits.
+    guard_rate: float = 0.001
+    #: The lead, in sampled hits per sampled block, that turns the split off (or on again).
+    guard_margin: float = 0.005
+    #: Observations between two computations of the class table.
+    table_every: int = 512
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.junk_priority < RECENCY_PRIORITY:
+            raise ValueError(f"junk_priority must be within 0..{RECENCY_PRIORITY - 1}, got {self.junk_priority}")
+        if not 0 < self.decay <= 1:
+            raise ValueError("decay must be within (0, 1]")
+        if not 0 < self.guard_rate <= 1:
+            raise ValueError("guard_rate must be within (0, 1]")
+        if self.guard_margin < 0:
+            raise ValueError("guard_margin must not be negative")
+
+
 @dataclass
 class _ClassStats:
     reused: float = 0.0
     evicted: float = 0.0
-    gap_sum: float = 0.0
 
 
-@dataclass(frozen=True)
-class AdaptivePolicy:
-    """The adaptive policy's settings (see the module docstring); what it learns lives in an
-    :class:`AdaptiveLearner`, one per cache. The defaults were chosen on the Mooncake conversation
-    trace and the generated families named in docs/benchmarks.md ("Adaptive eviction")."""
+class _BandsShadow:
+    """The bands on block keys, for the guard: a probationary LRU list (seen once) evicted before
+    a protected one (seen twice, or returning while a ghost), and a FIFO of evicted keys."""
 
-    junk_probability: float = 0.1
-    junk_priority: int = 5
-    min_priority: int = 40
-    max_priority: int = 90
-    duration_factor: float = 2.0
-    prior_probability: float = 0.25
-    prior_gap_s: float = 120.0
-    min_samples: float = 20.0
-    #: Exponential forgetting of old observations (1.0 = keep all), per observation of a class.
-    decay: float = 0.99
-    #: Evicted blocks remembered (digest -> class, idle time at eviction, eviction time), so that a
-    #: later miss on one counts as the reuse it would have been, and the block returns as a reused
-    #: one. Sized in blocks; 0 = 4 x the cache.
-    ghost_capacity: int = 0
-    #: The shadow LRU's capacity before sampling (0 = the cache's size), and the sampled blocks it
-    #: aims to hold: the sampling rate is ``min(1, shadow_sample_blocks / capacity)``.
-    shadow_capacity: int = 0
-    shadow_sample_blocks: int = 2048
-    #: Sampled prompt blocks per comparison with the shadow.
-    window: int = 4000
-    strength_step: float = 0.1
-    down_factor: float = 2.0
-    #: Observations (reuses, ghosts) between two computations of the class table.
-    table_every: int = 512
-    #: No protection lasts longer than this many horizons (LRU's residence time, measured).
-    max_horizons: float = 16.0
+    __slots__ = ("capacity", "ghost_capacity", "ghosts", "new", "old")
 
-    def __post_init__(self) -> None:
-        for name in ("junk_priority", "min_priority", "max_priority"):
-            v = getattr(self, name)
-            if not 0 <= v <= 100:
-                raise ValueError(f"{name} must be within 0..100, got {v}")
-        if not self.min_priority <= self.max_priority:
-            raise ValueError("min_priority must not exceed max_priority")
-        if not 0 < self.decay <= 1:
-            raise ValueError("decay must be within (0, 1]")
-        if self.max_horizons <= 0:
-            raise ValueError("max_horizons must be positive")
+    def __init__(self, capacity: int, ghost_capacity: int) -> None:
+        self.capacity = capacity
+        self.ghost_capacity = ghost_capacity
+        self.new: OrderedDict[bytes, None] = OrderedDict()
+        self.old: OrderedDict[bytes, None] = OrderedDict()
+        self.ghosts: OrderedDict[bytes, None] = OrderedDict()
+
+    def miss(self, d: bytes) -> None:
+        """``d`` (not cached here) is stored."""
+        ghosts = self.ghosts
+        if d in ghosts:
+            del ghosts[d]
+            self.old[d] = None
+        else:
+            self.new[d] = None
+
+    def evict(self) -> None:
+        new, old, ghosts = self.new, self.old, self.ghosts
+        excess = len(new) + len(old) - self.capacity
+        for _ in range(excess if excess > 0 else 0):
+            ghosts[(new if new else old).popitem(last=False)[0]] = None
+        excess = len(ghosts) - self.ghost_capacity
+        for _ in range(excess if excess > 0 else 0):
+            ghosts.popitem(last=False)
 
 
 class AdaptiveLearner:
@@ -151,24 +175,28 @@ class AdaptiveLearner:
 
     def __init__(self, policy: AdaptivePolicy, cache_blocks: int) -> None:
         self.policy = policy
-        self.ghost_capacity = policy.ghost_capacity or 4 * cache_blocks
-        capacity = policy.shadow_capacity or cache_blocks
-        rate = min(1.0, policy.shadow_sample_blocks / max(1, capacity))
+        c = max(1, cache_blocks)
+        self.ghost_capacity = policy.ghost_capacity or 4 * c
+        rate = min(1.0, policy.shadow_sample_blocks / c)
         #: A digest is sampled when its first byte is below this (256: every digest).
         self.sample_below = max(1, round(256 * rate))
-        self.shadow_capacity = max(1, round(capacity * self.sample_below / 256))
+        self.shadow_capacity = max(1, round(c * self.sample_below / 256))
         self._stats = [_ClassStats() for _ in range(NUM_CLASSES)]
-        self._ghosts: OrderedDict[bytes, tuple[int, float, float]] = OrderedDict()
-        self._shadow: OrderedDict[bytes, float] = OrderedDict()  # digest -> last use
-        self._strength = 1.0
-        self._window = [0, 0, 0]  # the cache's sampled hits, the shadow's, sampled blocks
-        self._ranks: list[tuple[int, float | None]] | None = None
+        self._ghosts: OrderedDict[bytes, int] = OrderedDict()  # digest -> class
+        #: The bands are on; off: every block at 35, plain LRU.
+        self.bands = True
+        self._lru: OrderedDict[bytes, None] = OrderedDict()
+        self._shadow = _BandsShadow(self.shadow_capacity, max(1, round(self.ghost_capacity * rate)))
+        self._lead = 0.0  # moving average of (own, or the bands' shadow's) minus LRU's sampled hits
+        self._sampled = 0.0  # moving average of sampled blocks per lookup
+        self._lookups = 0
+        #: How often the guard turned the bands off or on.
+        self.switches = 0
+        self._ranks: list[int] | None = None
         self._dirty = 0
-        #: Set when the guard weakens protection: the core then ends the protections the
-        #: policy gave (:meth:`KVCacheManager` calls ``BlockPool.revoke_adaptive``) and clears it.
+        #: Set when the guard turns the bands off: the core then returns every block the policy
+        #: prioritized to 35 (``BlockPool.revoke_adaptive``) and clears it.
         self.revoke_due = False
-        #: Moving average of the idle time of evicted blocks (seconds).
-        self.horizon_s = 0.0
         #: The last looked-up prompt's blocks that were ghosts: index -> reuses it counts as.
         self._returning: dict[int, int] = {}
 
@@ -179,111 +207,98 @@ class AdaptiveLearner:
         w = self.policy.min_samples
         return (s.reused + w * self.policy.prior_probability) / (s.reused + s.evicted + w)
 
-    def mean_gap_s(self, cls: int) -> float:
-        s = self._stats[cls]
-        w = self.policy.min_samples * 0.25
-        return (s.gap_sum + w * self.policy.prior_gap_s) / (s.reused + w)
-
-    def _table(self) -> list[tuple[int, float | None]]:
-        """(priority, duration) per class, recomputed after every ``table_every`` observations."""
+    def _table(self) -> list[int]:
+        """The priority of each class, recomputed after every ``table_every`` observations."""
         if self._ranks is not None and self._dirty < self.policy.table_every:
             return self._ranks
-        pol = self.policy
-        s = self._strength
-        if s <= 0.0:  # backed off completely: plain LRU
-            self._ranks, self._dirty = [(DEFAULT_PRIORITY, None)] * NUM_CLASSES, 0
-            return self._ranks
-        dens = []
-        for c in range(NUM_CLASSES):
-            p = self.probability(c)
-            dens.append((p / max(self.mean_gap_s(c), 1e-3), c, p))
-        useful = sorted((d, c) for d, c, p in dens if p >= pol.junk_probability)
-        table: list[tuple[int, float | None]] = [(pol.junk_priority, None)] * NUM_CLASSES
-        lo = DEFAULT_PRIORITY + s * (pol.min_priority - DEFAULT_PRIORITY)
-        span = s * (pol.max_priority - pol.min_priority)
-        horizon = self.horizon_s
-        durations: list[tuple[int, int, float]] = []
-        for rank, (_, c) in enumerate(useful):
-            prio = round(lo + (span * rank / (len(useful) - 1) if len(useful) > 1 else span))
-            if prio == DEFAULT_PRIORITY:
-                table[c] = (prio, None)
-                continue
-            gap = self.mean_gap_s(c)
-            if c >= _REUSED_BASE and horizon > gap:
-                gap = horizon
-            durations.append((c, prio, s * pol.duration_factor * gap))
-        cap = pol.max_horizons * horizon if horizon > 0 else None
-        for c, prio, d in durations:
-            table[c] = (prio, d if cap is None or d < cap else cap)
+        if not self.bands:
+            table = [RECENCY_PRIORITY] * NUM_CLASSES
+        else:
+            pol = self.policy
+            table = [pol.junk_priority if self.probability(c) < pol.junk_probability
+                     else FREQUENCY_PRIORITY if c >= _REUSED_BASE else RECENCY_PRIORITY
+                     for c in range(NUM_CLASSES)]
         self._ranks, self._dirty = table, 0
         return table
 
-    def _observe(self, cls: int, reused: bool, gap_s: float = 0.0) -> None:
+    def _observe(self, cls: int, reused: bool) -> None:
         s = self._stats[cls]
         decay = self.policy.decay
-        if decay < 1.0:
-            s.reused *= decay
-            s.evicted *= decay
-            s.gap_sum *= decay
+        s.reused *= decay
+        s.evicted *= decay
         if reused:
             s.reused += 1
-            s.gap_sum += gap_s
         else:
             s.evicted += 1
         self._dirty += 1
 
     # ---------------------------------------------------------------- the core's hooks
 
-    def on_lookup(self, digests: Sequence[bytes], matched: int, now: float) -> None:
+    def on_lookup(self, digests: Sequence[bytes], matched: int) -> None:
         """A prompt was looked up: ``matched`` of its blocks were cached (call before storing
         the rest: :meth:`prompt_retention` then knows which of them return as ghosts).
 
-        Misses on ghosts count as the reuses they would have been; the shadow LRU replays the
-        sampled blocks of the same lookup, and the comparison tunes the strength of protection.
+        Misses on ghosts count as the reuses they would have been; the shadows replay the sampled
+        blocks of the same lookup, and the guard compares.
         """
-        ghosts = self._ghosts
         self._returning = returning = {}
+        ghosts = self._ghosts
         if ghosts:
             for i in range(matched, len(digests)):
-                ghost = ghosts.pop(digests[i], None)
-                if ghost is not None:
-                    cls, idle_s, evicted_at = ghost
-                    self._observe(cls, True, idle_s + (now - evicted_at))
+                cls = ghosts.pop(digests[i], None)
+                if cls is not None:
+                    self._observe(cls, True)
                     returning[i] = min(cls - _REUSED_BASE + 2, 6) if cls >= _REUSED_BASE else 1
+        self._shadows(digests, matched)
+
+    def _shadows(self, digests: Sequence[bytes], matched: int) -> None:
         below = self.sample_below
-        shadow = self._shadow
-        window = self._window
-        hit = True
-        n = 0
+        lru, shadow = self._lru, self._shadow
+        new, old = shadow.new, shadow.old
+        hit_lru = hit_bands = True
+        n = own = n_lru = n_bands = 0
         for i, d in enumerate(digests):
             if d[0] >= below:
                 continue
             n += 1
             if i < matched:
-                window[0] += 1
-            if hit and d in shadow:
-                window[1] += 1
-                shadow.move_to_end(d)
+                own += 1
+            if hit_lru and d in lru:
+                n_lru += 1
+                lru.move_to_end(d)
             else:
-                hit = False
-            shadow[d] = now
+                hit_lru = False
+                lru[d] = None
+            if d in old:
+                n_bands += hit_bands
+                old.move_to_end(d)
+            elif d in new:
+                n_bands += hit_bands
+                del new[d]
+                old[d] = None
+            else:
+                hit_bands = False
+                shadow.miss(d)
         if not n:
             return
-        excess = len(shadow) - self.shadow_capacity
-        if excess > 0:
-            for _ in range(excess):
-                shadow.popitem(last=False)
-            self.horizon_s = now - next(iter(shadow.values()))
-        window[2] += n
-        if window[2] >= self.policy.window:
-            pol = self.policy
-            if window[0] < window[1]:
-                self._strength = max(0.0, self._strength - pol.strength_step * pol.down_factor)
-                self.revoke_due = True
-            elif window[0] > window[1]:
-                self._strength = min(1.0, self._strength + pol.strength_step)
-            window[0] = window[1] = window[2] = 0
-            self._ranks = None
+        excess = len(lru) - self.shadow_capacity
+        for _ in range(excess if excess > 0 else 0):
+            lru.popitem(last=False)
+        shadow.evict()
+        self._lookups += 1
+        w = max(self.policy.guard_rate, 1.0 / self._lookups)
+        self._lead += w * ((own if self.bands else n_bands) - n_lru - self._lead)
+        self._sampled += w * (n - self._sampled)
+        margin = self.policy.guard_margin * self._sampled
+        if self.bands and self._lead < -margin:
+            self.bands = False
+            self.revoke_due = True
+        elif not self.bands and self._lead > margin:
+            self.bands = True
+        else:
+            return
+        self.switches += 1
+        self._ranks = None
 
     def prompt_retention(self, prompt_blocks: int, matched: int, end: int) -> list[Retention]:
         """Priority, duration and class of the prompt's new blocks ``matched..end-1`` (after
@@ -300,8 +315,7 @@ class AdaptiveLearner:
             else:
                 dist = prompt_blocks - 1 - i
                 cls = cont + _DIST[dist if dist < 4 else 4] * 4 + size
-            prio, dur = table[cls]
-            append((prio, dur, cls))
+            append((table[cls], None, cls))
         return out
 
     def new_block(self, ctx: BlockContext) -> Retention:
@@ -311,44 +325,44 @@ class AdaptiveLearner:
             cls = _DECODE_BASE + _size_bucket(ctx.prompt_blocks)
         else:
             cls = _new_class(ctx.index, ctx.prompt_blocks, ctx.matched_blocks)
-        prio, dur = self._table()[cls]
-        return prio, dur, cls
+        return self._table()[cls], None, cls
 
-    def on_reuse(self, cls: int, priority: int, hits: int, gap_s: float) -> Retention | None:
-        """A cached block of class ``cls`` is reused (``hits``: earlier reuses, ``gap_s``: idle time).
+    def on_reuse(self, cls: int, priority: int, hits: int) -> Retention | None:
+        """A cached block of class ``cls`` at ``priority`` is reused (``hits``: earlier reuses).
 
         Returns the raised priority, duration and new class, or None to leave the block alone.
         """
-        if 0 <= cls < NUM_CLASSES:
-            self._observe(cls, True, gap_s)
+        if cls < 0:
+            return None
+        self._observe(cls, True)
         new_cls = _REUSED_BASE + _reuse_bucket(hits + 1)
-        prio, dur = self._table()[new_cls]
+        prio = self._table()[new_cls]
         if prio < priority:
             return None
-        return prio, dur, new_cls
+        return prio, None, new_cls
 
-    def on_evict(self, blocks: Sequence[Block], now: float) -> None:
-        """``blocks`` leave the cache (digests still set): remember each as a ghost, and follow the
-        horizon."""
+    def on_evict(self, blocks: Sequence[Block]) -> None:
+        """``blocks`` leave the cache (digests still set): remember each as a ghost."""
         ghosts = self._ghosts
         for b in blocks:
-            cls = b.adaptive_class
-            if 0 <= cls < NUM_CLASSES:
-                ghosts[b.digest] = (cls, now - b.released_at, now)  # type: ignore[index]
+            if b.adaptive_class >= 0:
+                ghosts[b.digest] = b.adaptive_class  # type: ignore[index]
         excess = len(ghosts) - self.ghost_capacity
-        for _ in range(excess if excess > 0 else 0):
-            _, (old_cls, _, _) = ghosts.popitem(last=False)
-            self._observe(old_cls, False)  # never asked for again while remembered: not reused
+        if excess > 0:  # never asked for again while remembered: not reused (_observe, inlined)
+            stats, decay, pop = self._stats, self.policy.decay, ghosts.popitem
+            for _ in range(excess):
+                s = stats[pop(last=False)[1]]
+                s.reused *= decay
+                s.evicted = s.evicted * decay + 1.0
+            self._dirty += excess
 
     def describe(self) -> dict[str, object]:
         """The learned state, for the node's stats endpoint and the benchmarks."""
         classes = []
-        for c, (priority, duration) in enumerate(self._table()):
+        for c, priority in enumerate(self._table()):
             s = self._stats[c]
             if s.reused + s.evicted == 0:
                 continue
-            classes.append({"class": c, "probability": round(self.probability(c), 4),
-                            "mean_gap_s": round(self.mean_gap_s(c), 2), "priority": priority,
-                            "duration_s": None if duration is None else round(duration, 2)})
-        return {"strength": round(self._strength, 2), "horizon_s": round(self.horizon_s, 2),
+            classes.append({"class": c, "probability": round(self.probability(c), 4), "priority": priority})
+        return {"bands": self.bands, "switches": self.switches, "guard_lead": round(self._lead, 4),
                 "sample_rate": round(self.sample_below / 256, 4), "classes": classes}

@@ -66,8 +66,7 @@ class EvictionIndex:
 
     # ---------------------------------------------------------------- entering and leaving
 
-    def release(self, blocks: Iterable[Block], tick: int, freed: list[int], clocks: list[Block],
-                now: float | None) -> int:
+    def release(self, blocks: Iterable[Block], tick: int, freed: list[int], clocks: list[Block]) -> int:
         """A request's blocks in release order (tail first), no longer used by it: each cached one
         loses a user (``ref``), and one that no request uses any more becomes evictable, the
         newest of all (``last_used`` the next tick), at the back of its priority's list (a pinned
@@ -79,8 +78,6 @@ class EvictionIndex:
             freed: receives the slots of private blocks.
             clocks: receives the blocks that became evictable and have a retention duration:
                 the caller starts their clocks.
-            now: if given, the time each block that became evictable is stamped with
-                (``released_at``: the adaptive policy measures idle times from it).
 
         Returns:
             The last tick handed out.
@@ -101,8 +98,6 @@ class EvictionIndex:
                 continue
             tick += 1
             b.last_used = tick
-            if now is not None:
-                b.released_at = now
             if b.duration is not None:
                 clocks.append(b)
             if b.priority != p:  # a run of one priority ends: its tail is the run's last block

@@ -302,10 +302,8 @@ class KVCacheManager:
         """The reused ``blocks`` take the request's retention config, or what the adaptive policy
         raises them to (it also learns from the lookup)."""
         adaptive = self._adaptive
-        now = 0.0
         if adaptive is not None:
-            now = self.clock()
-            adaptive.on_lookup(digests, len(blocks), now)
+            adaptive.on_lookup(digests, len(blocks))
             if adaptive.revoke_due:
                 adaptive.revoke_due = False
                 self._pool.revoke_adaptive()
@@ -317,7 +315,7 @@ class KVCacheManager:
                 set_priority(b, prio, dur)
                 b.adaptive_class = -1  # the client's now: the policy neither learns from nor revokes it
             elif adaptive is not None:
-                raised = adaptive.on_reuse(b.adaptive_class, b.priority, b.hits - 1, now - b.released_at)
+                raised = adaptive.on_reuse(b.adaptive_class, b.priority, b.hits - 1)
                 if raised is not None and raised[0] >= b.priority:
                     set_priority(b, raised[0], raised[1])
                     b.adaptive_class = raised[2]

@@ -256,16 +256,14 @@ class BlockPool:
         tail is then evicted before its head); private ones are freed. Blocks in use are on the
         GPU."""
         clocks = self._clocks
-        self._tick = self._index[GPU].release(reversed(blocks), self._tick, self._free[GPU], clocks,
-                                              None if self._adaptive is None else self._clock())
+        self._tick = self._index[GPU].release(reversed(blocks), self._tick, self._free[GPU], clocks)
         if clocks:
             self._start_clocks()
 
     def release(self, b: Block) -> None:
         """One request less uses ``b`` (on either tier; a cached block)."""
         clocks = self._clocks
-        self._tick = self._index[b.level].release((b,), self._tick, self._free[b.level], clocks,
-                                                  None if self._adaptive is None else self._clock())
+        self._tick = self._index[b.level].release((b,), self._tick, self._free[b.level], clocks)
         if clocks:
             self._start_clocks()
 
@@ -296,26 +294,14 @@ class BlockPool:
                 self._events.emit(Updated(block_hash=b.hash, priority=PriorityDiff(old=old, new=DEFAULT_PRIORITY)))
 
     def revoke_adaptive(self) -> None:
-        """End every running retention duration the adaptive policy gave (its guard weakened
-        protection): those blocks fall back to the default priority now, as if their durations
-        ran out. Blocks a client's retention config set are left alone."""
-        heap = self.expiries
-        keep = []
-        for entry in heap:
-            _, _, version, b = entry
-            if version != b.expiry_version or b.digest is None:
-                continue
-            if b.adaptive_class < 0:
-                keep.append(entry)
-                continue
-            b.duration = None
-            b.expiry_version += 1
-            if b.priority != DEFAULT_PRIORITY:
+        """The adaptive policy turned its bands off (its guard): every block it prioritized returns
+        to the default priority, at its place in recency (``updated`` for each). Blocks a client's
+        retention config set are left alone."""
+        for b in self.cached.values():
+            if b.adaptive_class >= 0 and b.priority != DEFAULT_PRIORITY:
                 old = b.priority
                 self._index[b.level].rekey(b, DEFAULT_PRIORITY)
                 self._events.emit(Updated(block_hash=b.hash, priority=PriorityDiff(old=old, new=DEFAULT_PRIORITY)))
-        heapq.heapify(keep)
-        self.expiries = keep
 
     # ------------------------------------------------------------------ queries
 
@@ -398,7 +384,7 @@ class BlockPool:
                 if not run:
                     raise OutOfBlocks("every GPU block is in use")
                 if adaptive is not None:
-                    adaptive.on_evict(run, self._clock())
+                    adaptive.on_evict(run)
                 p = run[0].priority
                 for b in run:  # the rest of _remove(b), inlined (take did the parents)
                     del cached[b.digest]  # type: ignore[arg-type]
@@ -466,7 +452,7 @@ class BlockPool:
         assert b.children == 0 and b.ref == 0 and b.digest is not None
         del self.cached[b.digest]
         if self._adaptive is not None:
-            self._adaptive.on_evict((b,), self._clock())
+            self._adaptive.on_evict((b,))
         evictions = self._stats.evictions_by_priority
         evictions[b.priority] = evictions.get(b.priority, 0) + 1
         p = b.parent

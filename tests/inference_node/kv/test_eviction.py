@@ -31,7 +31,7 @@ def _release(index: EvictionIndex, blocks: list[Block], tick: int) -> None:
     """The blocks' last users finish, in this order, from ``tick`` on."""
     freed: list[int] = []
     clocks: list[Block] = []
-    assert index.release(blocks, tick - 1, freed, clocks, False) == tick - 1 + len(blocks)
+    assert index.release(blocks, tick - 1, freed, clocks) == tick - 1 + len(blocks)
     assert (freed, clocks) == ([], [])
 
 
@@ -86,11 +86,10 @@ def test_release_counts_users_frees_private_slots_and_hands_out_clocks():
     shared.ref = 2  # two requests use it
     freed: list[int] = []
     clocks: list[Block] = []
-    assert index.release([private, timed, shared], 41, freed, clocks, None) == 42
+    assert index.release([private, timed, shared], 41, freed, clocks) == 42
     assert (freed, clocks, timed.last_used, shared.ref, shared.evict_state) == ([7], [timed], 42, 1, NOT_EVICTABLE)
-    assert timed.released_at == 0.0  # no time given: not stamped
-    assert index.release([shared], 42, freed, clocks, 9.5) == 43  # the adaptive policy's stamp
-    assert (clocks, shared.last_used, shared.released_at, index.count) == ([timed], 43, 9.5, 2)
+    assert index.release([shared], 42, freed, clocks) == 43
+    assert (clocks, shared.last_used, index.count) == ([timed], 43, 2)
     assert [index.pop(), index.pop()] == [timed, shared]
 
 

@@ -43,7 +43,6 @@ class RBlock:
     expires_at: float | None = None
     hits: int = 0
     tag: int = -1
-    released_at: float = 0.0
 
 
 @dataclass
@@ -98,13 +97,12 @@ class Reference:
         if b.ref == 0:
             self.tick += 1
             b.last_used = self.tick
-            b.released_at = now
             b.expires_at = now + b.duration if b.duration is not None else None
 
     def evict(self, d: bytes, now: float) -> None:
         b = self.blocks.pop(d)
         if self.adaptive is not None:
-            self.adaptive.on_evict([SimpleNamespace(digest=d, adaptive_class=b.tag, released_at=b.released_at)], now)
+            self.adaptive.on_evict([SimpleNamespace(digest=d, adaptive_class=b.tag)])
 
     def take_gpu(self, now: float) -> None:
         if self.free_gpu:
@@ -167,12 +165,11 @@ class Reference:
             self.free_host += 1
         adaptive_new = None
         if self.adaptive is not None:
-            self.adaptive.on_lookup(prompt.digests, len(matched), now)
-            if self.adaptive.revoke_due:  # the guard weakened protection: the policy's durations end
+            self.adaptive.on_lookup(prompt.digests, len(matched))
+            if self.adaptive.revoke_due:  # the guard turned the bands off: the policy's blocks at 35
                 self.adaptive.revoke_due = False
                 for b in self.blocks.values():
-                    if b.ref == 0 and b.expires_at is not None and b.tag >= 0:
-                        b.expires_at = b.duration = None
+                    if b.tag >= 0:
                         b.priority = DEFAULT_PRIORITY
         for i, d in enumerate(matched):
             b = self.blocks[d]
@@ -180,7 +177,7 @@ class Reference:
                 b.priority, b.duration = ret.block_retention(i * BS, (i + 1) * BS, prompt.num_tokens)
                 b.tag = -1
             elif self.adaptive is not None:
-                raised = self.adaptive.on_reuse(b.tag, b.priority, b.hits, now - b.released_at)
+                raised = self.adaptive.on_reuse(b.tag, b.priority, b.hits)
                 if raised is not None and raised[0] >= b.priority:
                     if raised[0] != b.priority:
                         b.priority = raised[0]
@@ -260,7 +257,7 @@ class CacheMachine(RuleBasedStateMachine):
                 max_events=st.sampled_from([3, 10_000]), adaptive=st.booleans(), part_blocks=st.sampled_from([2, 64]))
     def setup(self, gpu, host, min_offload, max_events, adaptive, part_blocks):
         # Two learners of the (stateful, deterministic) policy see the same calls.
-        policy = AdaptivePolicy(prior_gap_s=2.0, min_samples=2.0, window=8) if adaptive else None
+        policy = AdaptivePolicy(min_samples=2.0, guard_rate=0.2, guard_margin=0.0) if adaptive else None
         self.clock = ManualClock()
         self.core = KVCacheManager(KvCacheConfig(
             num_gpu_blocks=gpu, num_host_blocks=host, block_size=BS, secondary_offload_min_priority=min_offload,
