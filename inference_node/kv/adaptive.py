@@ -140,10 +140,36 @@ class _ClassStats:
     evicted: float = 0.0
 
 
+class _LruShadow:
+    """Plain LRU on block keys, for the guard."""
+
+    __slots__ = ("capacity", "keys")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.keys: OrderedDict[bytes, None] = OrderedDict()
+
+    def replay(self, keys: Sequence[bytes]) -> int:
+        """One lookup of ``keys`` (a prompt's sampled blocks, in order): its prefix hits."""
+        cached = self.keys
+        hits = 0
+        hit = True
+        for d in keys:
+            if hit and d in cached:
+                hits += 1
+                cached.move_to_end(d)
+            else:
+                hit = False
+                cached[d] = None
+        excess = len(cached) - self.capacity
+        for _ in range(excess if excess > 0 else 0):
+            cached.popitem(last=False)
+        return hits
+
+
 class _BandsShadow:
     """The bands on block keys, for the guard: a probationary LRU list (seen once) evicted before
-    a protected one (seen twice, or returning while a ghost), and a FIFO of evicted keys (the
-    lookups are replayed in ``AdaptiveLearner._shadows``)."""
+    a protected one (seen twice, or returning while a ghost), and a FIFO of evicted keys."""
 
     __slots__ = ("capacity", "ghost_capacity", "ghosts", "new", "old")
 
@@ -154,15 +180,33 @@ class _BandsShadow:
         self.old: OrderedDict[bytes, None] = OrderedDict()
         self.ghosts: OrderedDict[bytes, None] = OrderedDict()
 
-    def evict(self) -> None:
-        """Down to the capacity: the probationary list first, evicted keys become ghosts."""
+    def replay(self, keys: Sequence[bytes]) -> int:
+        """One lookup of ``keys`` (a prompt's sampled blocks, in order): its prefix hits."""
         new, old, ghosts = self.new, self.old, self.ghosts
+        hits = 0
+        hit = True
+        for d in keys:
+            if d in old:
+                hits += hit
+                old.move_to_end(d)
+            elif d in new:
+                hits += hit
+                del new[d]
+                old[d] = None
+            else:
+                hit = False
+                if d in ghosts:  # a miss on a ghost: back to the protected list
+                    del ghosts[d]
+                    old[d] = None
+                else:
+                    new[d] = None
         excess = len(new) + len(old) - self.capacity
-        for _ in range(excess if excess > 0 else 0):
+        for _ in range(excess if excess > 0 else 0):  # the probationary list first
             ghosts[(new if new else old).popitem(last=False)[0]] = None
         excess = len(ghosts) - self.ghost_capacity
         for _ in range(excess if excess > 0 else 0):
             ghosts.popitem(last=False)
+        return hits
 
 
 class AdaptiveLearner:
@@ -182,7 +226,7 @@ class AdaptiveLearner:
         #: The bands are on; off: every block at 35, plain LRU.
         self.bands = True
         #: The shadows: LRU (run while the bands are on) and the bands' (run while they are off).
-        self._lru: OrderedDict[bytes, None] = OrderedDict()
+        self._lru = _LruShadow(self.shadow_capacity)
         self._shadow = _BandsShadow(self.shadow_capacity, max(1, round(self.ghost_capacity * rate)))
         self._lead = 0.0  # moving average of own minus LRU's (bands on), bands' minus own (off) sampled hits
         self._sampled = 0.0  # moving average of sampled blocks per lookup
@@ -250,51 +294,16 @@ class AdaptiveLearner:
 
     def _shadows(self, digests: Sequence[bytes], matched: int) -> None:
         below = self.sample_below
+        sampled = []
+        own = 0
+        for i, d in enumerate(digests):
+            if d[0] < below:
+                sampled.append(d)
+                if i < matched:
+                    own += 1
+        n = len(sampled)
         bands = self.bands
-        n = own = other = 0
-        if bands:  # the LRU shadow
-            lru = self._lru
-            hit = True
-            for i, d in enumerate(digests):
-                if d[0] >= below:
-                    continue
-                n += 1
-                if i < matched:
-                    own += 1
-                if hit and d in lru:
-                    other += 1
-                    lru.move_to_end(d)
-                else:
-                    hit = False
-                    lru[d] = None
-            excess = len(lru) - self.shadow_capacity
-            for _ in range(excess if excess > 0 else 0):
-                lru.popitem(last=False)
-        else:  # the bands' shadow
-            shadow = self._shadow
-            new, old, ghosts = shadow.new, shadow.old, shadow.ghosts
-            hit = True
-            for i, d in enumerate(digests):
-                if d[0] >= below:
-                    continue
-                n += 1
-                if i < matched:
-                    own += 1
-                if d in old:
-                    other += hit
-                    old.move_to_end(d)
-                elif d in new:
-                    other += hit
-                    del new[d]
-                    old[d] = None
-                else:
-                    hit = False
-                    if d in ghosts:  # a miss on a ghost: back to the protected list
-                        del ghosts[d]
-                        old[d] = None
-                    else:
-                        new[d] = None
-            shadow.evict()
+        other = (self._lru if bands else self._shadow).replay(sampled)
         if not n:
             return
         self._lookups += 1

@@ -194,7 +194,7 @@ def test_ghosts_and_shadows_stay_within_their_bounds(seed):
         pol.on_lookup(keys, matched=rng.randint(0, len(keys)))
         pol.on_evict([evicted(k, rng.randrange(72)) for k in keys[: rng.randint(0, len(keys))]])
         assert len(pol._ghosts) <= 40
-        assert len(pol._lru) <= pol.shadow_capacity
+        assert len(pol._lru.keys) <= pol.shadow_capacity
         sh = pol._shadow
         assert len(sh.new) + len(sh.old) <= sh.capacity and len(sh.ghosts) <= sh.ghost_capacity
 
