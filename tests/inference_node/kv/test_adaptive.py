@@ -211,3 +211,20 @@ def test_settings_are_checked():
         AdaptivePolicy(guard_rate=0.0)
     with pytest.raises(ValueError, match="decay"):
         AdaptivePolicy(decay=1.5)
+
+
+def test_a_new_block_is_junk_only_if_every_new_block_after_it_is_junk():
+    pol = learner(min_samples=4)
+    near_end = BlockContext(index=8, prompt_blocks=10, matched_blocks=0, is_decode=False)
+    _, _, near_cls = pol.new_block(near_end)
+    for i in range(1200):  # the class one block before the end is never reused: junk
+        pol.on_evict([evicted(b"n%d" % i, near_cls)])
+    assert pol.new_block(near_end)[0] == pol.policy.junk_priority
+    pol.on_lookup([b"p%d" % i for i in range(10)], matched=0)
+    prios = [r[0] for r in pol.prompt_retention(prompt_blocks=10, matched=0, end=10)]
+    assert prios == [35] * 10  # the last block is kept, so its junk parent would only wait for it
+    _, _, tail_cls = pol.new_block(FRESH_TAIL)
+    for i in range(1200):  # now the last block's class is junk too
+        pol.on_evict([evicted(b"t%d" % i, tail_cls)])
+    prios = [r[0] for r in pol.prompt_retention(prompt_blocks=10, matched=0, end=10)]
+    assert prios == [35] * 8 + [pol.policy.junk_priority] * 2
