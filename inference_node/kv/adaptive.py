@@ -9,7 +9,9 @@ block a client re-prioritizes is the client's for good.
 
 **Three bands**, evicted in this order:
 
-* **junk** (``junk_priority``, below 35): a new block of a *class* that is almost never reused;
+* **junk** (``junk_priority``, below 35): a new block of a *class* that is almost never reused
+  (and only if every new block after it in its prompt is junk too: the leaf rule would keep a
+  junk parent of a kept block anyway);
 * **recency** (35, the default): any other new block, seen once;
 * **frequency** (36): a block reused at least once, or one that returns soon after its eviction
   (a miss on a *ghost*: an evicted block still remembered).
@@ -44,8 +46,14 @@ comes, which delays a switch back a little): two at once cost 1.58 x plain prior
 the trace replay, one 1.39 x (docs/benchmarks.md).
 
 Its state is bounded: per-class counters, the ghosts (``ghost_capacity``), the shadows (about
-``shadow_sample_blocks`` each, their ghosts as many). Deterministic: the same calls give the same
-decisions. It only ever *raises* a reused block (a client's system prompt pinned at 100 stays).
+``shadow_sample_blocks`` blocks each; the bands' shadow remembers 4 x as many ghosts).
+Deterministic: the same calls give the same decisions. It only ever *raises* a reused block (a
+client's system prompt pinned at 100 stays).
+
+What it does not see: the router. Behind KV-aware routing, in the simulator, nodes with this
+policy did worse than LRU nodes (recency first makes a conversation's newest blocks leave soon,
+and the router scatters its next turns) while every node's guard saw its cache ahead of its
+shadow: docs/benchmarks.md ("The bands lose in a routed fleet").
 """
 
 from __future__ import annotations
