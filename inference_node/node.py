@@ -56,6 +56,9 @@ class NodeSettings(BaseSettings):
                                                   "KV core's queue instead.")
     secondary_offload_min_priority: int = Field(default=35, ge=0, le=101, description="Offload threshold.")
     adaptive: bool = Field(default=False, description="Learned priorities for requests without hints.")
+    adaptive_frequency_horizons: float = Field(
+        default=0.0, ge=0, description="With --adaptive: keep the frequency band this many LRU horizons (0: no "
+                                       "limit); 6 for nodes behind KV-aware routing (docs/kv-core.md).")
     emit_token_ids: bool = Field(default=False, description="Token ids in stored events.")
     kafka: bool = Field(default=True, description="Publish events to Kafka (false: drop them).")
     api_keys: SecretStr | None = Field(default=None, description="Comma-separated bearer keys (none: open).")
@@ -104,11 +107,12 @@ def build_node(s: NodeSettings, kafka: KafkaSettings | None = None, *, sink: Sin
         raise ValueError(f"tokenizer vocabulary ({tokenizer.vocab_size}) exceeds the model's ({model.cfg.vocab_size})")
     instance_id = InstanceId(uuid.uuid4().hex)
     url = s.advertise_url or f"http://{s.host}:{s.port}"
+    adaptive = AdaptivePolicy(frequency_horizons=s.adaptive_frequency_horizons) if s.adaptive else None
     core = KVCacheManager(KvCacheConfig(
         num_gpu_blocks=s.num_blocks, num_host_blocks=s.host_blocks, block_size=s.block_size,
         secondary_offload_min_priority=s.secondary_offload_min_priority,
         window_size=model.cfg.max_position_embeddings, max_queued_events=s.max_queued_events,
-        emit_token_ids=s.emit_token_ids, adaptive=AdaptivePolicy() if s.adaptive else None))
+        emit_token_ids=s.emit_token_ids, adaptive=adaptive))
     gpu_pool = KVPool(model.cfg, s.num_blocks, s.block_size, device, dtype)
     host_pool = KVPool(model.cfg, s.host_blocks, s.block_size, torch.device("cpu"), dtype,
                        pin_memory=device.type == "cuda") if s.host_blocks else None

@@ -77,7 +77,7 @@ _REUSE_CLASSES = 4
 _DECODE_BASE = 64
 _REUSED_BASE = 68
 NUM_CLASSES = _REUSED_BASE + _REUSE_CLASSES
-#: A retention decision: priority, duration (always None: the policy gives none), class.
+#: A retention decision: priority, duration (None unless ``frequency_horizons`` is set), class.
 Retention = tuple[int, float | None, int]
 
 
@@ -130,6 +130,11 @@ class AdaptivePolicy:
     guard_margin: float = 0.005
     #: Observations between two computations of the class table.
     table_every: int = 512
+    #: If > 0, a block in the frequency band keeps it only this many *horizons* (how long the LRU
+    #: shadow keeps a block: the age of its oldest entry) after it was last used, then falls back
+    #: to 35. Off by default; 6 is what a KV-aware routed fleet wanted in the simulator
+    #: (docs/benchmarks.md, "The bands lose in a routed fleet").
+    frequency_horizons: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.junk_priority < RECENCY_PRIORITY:
@@ -140,6 +145,8 @@ class AdaptivePolicy:
             raise ValueError("guard_rate must be within (0, 1]")
         if self.guard_margin < 0:
             raise ValueError("guard_margin must not be negative")
+        if self.frequency_horizons < 0:
+            raise ValueError("frequency_horizons must not be negative")
 
 
 @dataclass
@@ -151,11 +158,14 @@ class _ClassStats:
 class _LruShadow:
     """Plain LRU on block keys, for the guard."""
 
-    __slots__ = ("capacity", "keys")
+    __slots__ = ("capacity", "horizon", "keys", "now")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.keys: OrderedDict[bytes, None] = OrderedDict()
+        self.keys: OrderedDict[bytes, float] = OrderedDict()  # key -> last use
+        #: The time of the lookup being replayed, and how long ago the oldest entry was used.
+        self.now = 0.0
+        self.horizon = 0.0
 
     def replay(self, keys: Sequence[bytes]) -> int:
         """One lookup of ``keys`` (a prompt's sampled blocks, in order): its prefix hits."""
@@ -166,12 +176,15 @@ class _LruShadow:
             if hit and d in cached:
                 hits += 1
                 cached.move_to_end(d)
+                cached[d] = self.now
             else:
                 hit = False
-                cached[d] = None
+                cached[d] = self.now
         excess = len(cached) - self.capacity
-        for _ in range(excess if excess > 0 else 0):
-            cached.popitem(last=False)
+        if excess > 0:
+            for _ in range(excess):
+                cached.popitem(last=False)
+            self.horizon = self.now - next(iter(cached.values()))
         return hits
 
 
@@ -251,6 +264,14 @@ class AdaptiveLearner:
 
     # ---------------------------------------------------------------- estimates
 
+    def _dur(self, prio: int) -> float | None:
+        """The retention duration of a block stored or raised at ``prio``: ``frequency_horizons``
+        x the LRU shadow's horizon for the frequency band (None: off, or no horizon yet)."""
+        h = self.policy.frequency_horizons
+        if prio != FREQUENCY_PRIORITY or h <= 0 or self._lru.horizon <= 0:
+            return None
+        return h * self._lru.horizon
+
     def probability(self, cls: int) -> float:
         s = self._stats[cls]
         w = self.policy.min_samples
@@ -283,9 +304,9 @@ class AdaptiveLearner:
 
     # ---------------------------------------------------------------- the core's hooks
 
-    def on_lookup(self, digests: Sequence[bytes], matched: int) -> None:
-        """A prompt was looked up: ``matched`` of its blocks were cached (call before storing
-        the rest: :meth:`prompt_retention` then knows which of them return as ghosts).
+    def on_lookup(self, digests: Sequence[bytes], matched: int, now: float) -> None:
+        """A prompt was looked up at ``now``: ``matched`` of its blocks were cached (call before
+        storing the rest: :meth:`prompt_retention` then knows which of them return as ghosts).
 
         Misses on ghosts count as the reuses they would have been; the shadows replay the sampled
         blocks of the same lookup, and the guard compares.
@@ -298,6 +319,7 @@ class AdaptiveLearner:
                 if cls is not None:
                     self._observe(cls, True)
                     returning[i] = min(cls - _REUSED_BASE + 2, 6) if cls >= _REUSED_BASE else 1
+        self._lru.now = now
         self._shadows(digests, matched)
 
     def _shadows(self, digests: Sequence[bytes], matched: int) -> None:
@@ -356,7 +378,7 @@ class AdaptiveLearner:
                 kept = True
             elif kept:
                 prio = RECENCY_PRIORITY
-            append((prio, None, cls))
+            append((prio, self._dur(prio), cls))
         out.reverse()
         return out
 
@@ -381,7 +403,7 @@ class AdaptiveLearner:
         prio = self._table()[new_cls]
         if prio < priority:
             return None
-        return prio, None, new_cls
+        return prio, self._dur(prio), new_cls
 
     def on_evict(self, blocks: Sequence[Block]) -> None:
         """``blocks`` leave the cache (digests still set): remember each as a ghost."""

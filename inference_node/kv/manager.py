@@ -303,7 +303,7 @@ class KVCacheManager:
         raises them to (it also learns from the lookup)."""
         adaptive = self._adaptive
         if adaptive is not None:
-            adaptive.on_lookup(digests, len(blocks))
+            adaptive.on_lookup(digests, len(blocks), self.clock())
             if adaptive.revoke_due:
                 adaptive.revoke_due = False
                 self._pool.revoke_adaptive()

@@ -242,10 +242,12 @@ def plot_load_balance(out_dir: Path, study: RoutingStudy, reference: int) -> Non
 
 def stretch(res: BenchResult, study: RoutingStudy, mc: Sequence[SimRequest], sim: Callable[..., Any]) -> None:
     """kvflow's routing with the adaptive eviction policy on the nodes, against one pooled LRU cache of
-    the same total size, on the trace ``mc`` (``ratios.kv_aware_adaptive_vs_pooled_lru_hit_rate_<cap>``);
-    ``sim`` runs and records one simulation."""
+    the same total size, on the trace ``mc``: with the policy's defaults
+    (``ratios.kv_aware_adaptive_vs_pooled_lru_hit_rate_<cap>``) and with the routed fleet's setting
+    (``..._adaptive_routed_...``); ``sim`` runs and records one simulation."""
     for cap in study.capacities:
-        r = sim(mc, nodes=study.nodes, capacity=cap, routing="kv_aware_load", eviction="adaptive",
-                workload="mooncake", decode_s_per_token=DECODE_S_PER_TOKEN)
         pooled = study.row("mooncake", cap, "pooled").hit_rate
-        res.ratios[f"kv_aware_adaptive_vs_pooled_lru_hit_rate_{cap}"] = r.hit_rate / pooled if pooled else 1.0
+        for ev in ("adaptive", "adaptive_routed"):
+            r = sim(mc, nodes=study.nodes, capacity=cap, routing="kv_aware_load", eviction=ev,
+                    workload="mooncake", decode_s_per_token=DECODE_S_PER_TOKEN)
+            res.ratios[f"kv_aware_{ev}_vs_pooled_lru_hit_rate_{cap}"] = r.hit_rate / pooled if pooled else 1.0

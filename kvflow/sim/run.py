@@ -130,8 +130,9 @@ def markdown_report(res: BenchResult, study: RoutingStudy, capacities: tuple[int
              f"{res.ratios['priority_vs_lru_hit_rate_system_prompt']:.2f}x.", "",
              *routing_report(study)]
     lines += ["", "KV-aware routing with the adaptive policy against one pooled LRU cache of the same size:", ""]
-    lines += [f"- {cap:,} blocks per node: {res.ratios[f'kv_aware_adaptive_vs_pooled_lru_hit_rate_{cap}']:.3f}x"
-              for cap in capacities]
+    lines += [f"- {cap:,} blocks per node: {res.ratios[f'kv_aware_adaptive_vs_pooled_lru_hit_rate_{cap}']:.3f}x "
+              f"(defaults), {res.ratios[f'kv_aware_adaptive_routed_vs_pooled_lru_hit_rate_{cap}']:.3f}x "
+              "(`frequency_horizons=6`)" for cap in capacities]
     lines += ["", "## One cache, Mooncake trace: hit rate against capacity", "",
               "| blocks | " + " | ".join(curves) + " |", "| ---: |" + " ---: |" * len(curves)]
     for i, cap in enumerate(curve_capacities):

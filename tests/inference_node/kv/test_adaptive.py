@@ -60,12 +60,12 @@ def test_a_miss_on_a_recently_evicted_block_counts_as_a_reuse_and_it_returns_to_
     _, _, cls = pol.new_block(FRESH_HEAD)
     before = pol.probability(cls)
     pol.on_evict([evicted(b"g", cls)])
-    pol.on_lookup([b"h", b"g", b"n"], matched=1)  # b"g" missed while remembered
+    pol.on_lookup([b"h", b"g", b"n"], matched=1, now=0.0)  # b"g" missed while remembered
     assert pol.probability(cls) > before
     (g_prio, _, g_cls), (n_prio, _, n_cls) = pol.prompt_retention(prompt_blocks=3, matched=1, end=3)
     assert (g_prio, g_cls) == (FREQUENCY_PRIORITY, 68)  # reused once: the first reused class
     assert (n_prio, n_cls) == (RECENCY_PRIORITY, 0)  # the last block of a fresh prompt of <= 4 blocks
-    pol.on_lookup([b"h", b"g", b"n"], matched=1)
+    pol.on_lookup([b"h", b"g", b"n"], matched=1, now=0.0)
     assert pol.prompt_retention(prompt_blocks=3, matched=1, end=3)[0][2] == 4  # no ghost now: one from the end
 
 
@@ -99,7 +99,7 @@ def test_when_the_cache_falls_behind_the_lru_shadow_the_guard_returns_every_bloc
     learner_ = mgr.adaptive
     assert learner_ is not None and learner_.bands
     for _ in range(3):  # the shadow LRU hits a repeated prompt the cache is told it missed
-        learner_.on_lookup([b"\x00x", b"\x00y"], matched=0)
+        learner_.on_lookup([b"\x00x", b"\x00y"], matched=0, now=0.0)
         if not learner_.bands:
             break
     assert not learner_.bands and learner_.revoke_due and learner_.switches == 1
@@ -127,8 +127,8 @@ def test_with_the_bands_off_the_shadow_of_the_bands_brings_them_back_when_it_lea
     hot = [b"\x00hot0", b"\x00hot1"]
     scan = 0
     for _ in range(30):
-        pol.on_lookup(hot, matched=0)
-        pol.on_lookup([b"\x00s%d" % (scan + i) for i in range(300)], matched=0)
+        pol.on_lookup(hot, matched=0, now=0.0)
+        pol.on_lookup([b"\x00s%d" % (scan + i) for i in range(300)], matched=0, now=0.0)
         scan += 300
         if pol.bands:
             break
@@ -191,7 +191,7 @@ def test_ghosts_and_shadows_stay_within_their_bounds(seed):
     pol = AdaptiveLearner(AdaptivePolicy(ghost_capacity=40, shadow_sample_blocks=16), cache_blocks=32)
     for _ in range(3000):
         keys = [bytes([rng.randrange(256)]) + b"%d" % rng.randrange(200) for _ in range(rng.randint(1, 6))]
-        pol.on_lookup(keys, matched=rng.randint(0, len(keys)))
+        pol.on_lookup(keys, matched=rng.randint(0, len(keys)), now=0.0)
         pol.on_evict([evicted(k, rng.randrange(72)) for k in keys[: rng.randint(0, len(keys))]])
         assert len(pol._ghosts) <= 40
         assert len(pol._lru.keys) <= pol.shadow_capacity
@@ -220,7 +220,7 @@ def test_a_new_block_is_junk_only_if_every_new_block_after_it_is_junk():
     for i in range(1200):  # the class one block before the end is never reused: junk
         pol.on_evict([evicted(b"n%d" % i, near_cls)])
     assert pol.new_block(near_end)[0] == pol.policy.junk_priority
-    pol.on_lookup([b"p%d" % i for i in range(10)], matched=0)
+    pol.on_lookup([b"p%d" % i for i in range(10)], matched=0, now=0.0)
     prios = [r[0] for r in pol.prompt_retention(prompt_blocks=10, matched=0, end=10)]
     assert prios == [35] * 10  # the last block is kept, so its junk parent would only wait for it
     _, _, tail_cls = pol.new_block(FRESH_TAIL)
@@ -228,3 +228,14 @@ def test_a_new_block_is_junk_only_if_every_new_block_after_it_is_junk():
         pol.on_evict([evicted(b"t%d" % i, tail_cls)])
     prios = [r[0] for r in pol.prompt_retention(prompt_blocks=10, matched=0, end=10)]
     assert prios == [35] * 8 + [pol.policy.junk_priority] * 2
+
+
+def test_frequency_horizons_protect_the_frequency_band_for_so_many_lru_horizons():
+    pol = AdaptiveLearner(AdaptivePolicy(frequency_horizons=6.0, table_every=1), cache_blocks=4)
+    assert pol.on_reuse(0, RECENCY_PRIORITY, hits=0) == (FREQUENCY_PRIORITY, None, 68)  # no horizon yet
+    for t in range(10):  # one new block a second through an LRU shadow of 4
+        pol.on_lookup([b"k%d" % t], matched=0, now=float(t))
+    assert pol._lru.horizon == 3.0  # the oldest of the 4 it holds was used 3 s ago
+    assert pol.on_reuse(0, RECENCY_PRIORITY, hits=0) == (FREQUENCY_PRIORITY, 18.0, 68)
+    assert pol.new_block(FRESH_HEAD)[1] is None  # the recency band has no duration
+    assert AdaptiveLearner(AdaptivePolicy(), 4).on_reuse(0, RECENCY_PRIORITY, hits=0)[1] is None  # off by default
