@@ -364,6 +364,7 @@ class AdaptiveLearner:
         cont = 16 if matched > 1 else 0
         size = _size_bucket(prompt_blocks)
         junk = self.policy.junk_priority
+        frequency_duration = self._dur(FREQUENCY_PRIORITY)
         kept = False  # a later block is not junk
         out: list[Retention] = []
         append = out.append
@@ -378,7 +379,7 @@ class AdaptiveLearner:
                 kept = True
             elif kept:
                 prio = RECENCY_PRIORITY
-            append((prio, self._dur(prio), cls))
+            append((prio, frequency_duration if prio == FREQUENCY_PRIORITY else None, cls))
         out.reverse()
         return out
 
