@@ -37,13 +37,16 @@ digest is in the sample when its first byte is below a threshold, and the shadow
 share of the capacity) replays every lookup, and the cache's own prefix hits on the sampled blocks
 are compared with the shadow's in a moving average (``guard_rate`` per lookup). While the bands
 are on, the shadow is plain LRU; when the cache falls behind it by more than ``guard_margin`` of
-the sampled blocks, the bands are turned off: every block the policy prioritized returns to 35
-(the core's ``revoke_adaptive``) and new and reused ones stay at 35 — exactly LRU. While they are
-off, the shadow is one of the bands (a probationary and a protected LRU list, the probationary
-one evicted first, with ghosts), and the bands return when it leads the cache (LRU now) by the
-same margin. One shadow runs at a time (the other keeps what it held; it is stale when its turn
-comes, which delays a switch back a little): two at once cost 1.58 x plain priority eviction on
-the trace replay, one 1.39 x (docs/benchmarks.md).
+the sampled blocks, the bands are turned off: every block in the frequency band returns to 35
+(the core's ``revoke_adaptive``) and reused ones stay at 35 — LRU, with only the junk band left
+(LRU with the junk band alone was never below LRU on any workload measured, and above it on the
+trace at 16,000 blocks, where the bands lose: docs/benchmarks.md). While they are off, the
+shadow is one of the bands (a probationary and a protected LRU list, the probationary one evicted
+first, with ghosts), and the bands return when it leads the cache by the same margin. Switching
+back and forth is allowed and on some traffic pays (the trace at 16,000 blocks: three switches,
+0.2687 against LRU's 0.2627 and ARC's 0.2703). One shadow runs at a time (the other keeps what it
+held; it is stale when its turn comes, which delays a switch back a little): two at once cost
+1.58 x plain priority eviction on the trace replay, one 1.39 x (docs/benchmarks.md).
 
 Its state is bounded: per-class counters, the ghosts (``ghost_capacity``), the shadows (about
 ``shadow_sample_blocks`` blocks each; the bands' shadow remembers 4 x as many ghosts).
@@ -125,9 +128,9 @@ class AdaptivePolicy:
     #: ``min(1, shadow_sample_blocks / capacity)``.
     shadow_sample_blocks: int = 2048
     #: Weight of one lookup in the guard's moving average of (own - LRU) sampled hits.
-    guard_rate: float = 0.001
+    guard_rate: float = 0.002
     #: The lead, in sampled hits per sampled block, that turns the bands off (or on again).
-    guard_margin: float = 0.005
+    guard_margin: float = 0.003
     #: Observations between two computations of the class table.
     table_every: int = 512
     #: If > 0, a block in the frequency band keeps it only this many *horizons* (how long the LRU
@@ -244,7 +247,7 @@ class AdaptiveLearner:
         self.shadow_capacity = max(1, round(c * self.sample_below / 256))
         self._stats = [_ClassStats() for _ in range(NUM_CLASSES)]
         self._ghosts: OrderedDict[bytes, int] = OrderedDict()  # digest -> class
-        #: The bands are on; off: every block at 35, plain LRU.
+        #: The bands are on; off: no frequency band (LRU, with the junk band).
         self.bands = True
         #: The shadows: LRU (run while the bands are on) and the bands' (run while they are off).
         self._lru = _LruShadow(self.shadow_capacity)
@@ -257,7 +260,7 @@ class AdaptiveLearner:
         self._ranks: list[int] | None = None
         self._dirty = 0
         #: Set when the guard turns the bands off: the core then returns every block the policy
-        #: prioritized to 35 (``BlockPool.revoke_adaptive``) and clears it.
+        #: raised above 35 to 35 (``BlockPool.revoke_adaptive``) and clears it.
         self.revoke_due = False
         #: The last looked-up prompt's blocks that were ghosts: index -> reuses it counts as.
         self._returning: dict[int, int] = {}
@@ -281,13 +284,11 @@ class AdaptiveLearner:
         """The priority of each class, recomputed after every ``table_every`` observations."""
         if self._ranks is not None and self._dirty < self.policy.table_every:
             return self._ranks
-        if not self.bands:
-            table = [RECENCY_PRIORITY] * NUM_CLASSES
-        else:
-            pol = self.policy
-            table = [pol.junk_priority if self.probability(c) < pol.junk_probability
-                     else FREQUENCY_PRIORITY if c >= _REUSED_BASE else RECENCY_PRIORITY
-                     for c in range(NUM_CLASSES)]
+        pol = self.policy
+        frequency = FREQUENCY_PRIORITY if self.bands else RECENCY_PRIORITY  # off: LRU (and junk)
+        table = [pol.junk_priority if self.probability(c) < pol.junk_probability
+                 else frequency if c >= _REUSED_BASE else RECENCY_PRIORITY
+                 for c in range(NUM_CLASSES)]
         self._ranks, self._dirty = table, 0
         return table
 

@@ -294,16 +294,17 @@ class BlockPool:
                 self._events.emit(Updated(block_hash=b.hash, priority=PriorityDiff(old=old, new=DEFAULT_PRIORITY)))
 
     def revoke_adaptive(self) -> None:
-        """The adaptive policy turned its bands off (its guard): every block it prioritized returns
-        to the default priority, at its place in recency (``updated`` for each), and a duration it
-        gave ends. Blocks a client's retention config set are left alone."""
+        """The adaptive policy turned its bands off (its guard): every block it raised above the
+        default priority returns to it, at its place in recency (``updated`` for each), and a
+        duration it gave ends; its junk band stays. Blocks a client's retention config set are left
+        alone."""
         for b in self.cached.values():
             if b.adaptive_class < 0:
                 continue
             if b.duration is not None:
                 b.duration = None
                 b.expiry_version += 1  # its expiry entry goes stale
-            if b.priority != DEFAULT_PRIORITY:
+            if b.priority > DEFAULT_PRIORITY:
                 old = b.priority
                 self._index[b.level].rekey(b, DEFAULT_PRIORITY)
                 self._events.emit(Updated(block_hash=b.hash, priority=PriorityDiff(old=old, new=DEFAULT_PRIORITY)))

@@ -136,6 +136,32 @@ def test_with_the_bands_off_the_shadow_of_the_bands_brings_them_back_when_it_lea
     assert pol.on_reuse(0, RECENCY_PRIORITY, hits=0) == (FREQUENCY_PRIORITY, None, 68)
 
 
+def test_with_the_bands_off_the_junk_band_stays_and_a_revoke_leaves_junk_blocks_alone():
+    mgr = KVCacheManager(KvCacheConfig(num_gpu_blocks=64, block_size=BS, adaptive=policy(min_samples=4)))
+    learner_ = mgr.adaptive
+    assert learner_ is not None
+    # class 0 (the last block of a fresh prompt of <= 4 blocks): evicted unused 1,200 times
+    learner_.on_evict([evicted(b"t%d" % i, 0) for i in range(1200)])
+    junk = prompt(toks(7))
+    mgr.allocate("j", junk)
+    mgr.free("j")
+    hot = prompt(toks(0, 10))
+    for rid in ("a", "b"):
+        mgr.allocate(rid, hot)
+        mgr.free(rid)
+    assert [mgr.block_info(d)["priority"] for d in (*junk.digests, *hot.digests)] == [5, 36, 36]
+    learner_.bands, learner_.revoke_due = False, True  # as the guard leaves it
+    learner_._ranks = None
+    mgr.drain_events()
+    late = prompt(toks(8))
+    mgr.allocate("x", late)  # revokes: the frequency band to 35, the junk band stays
+    updated = [e.data for e in mgr.drain_events() if isinstance(e.data, Updated)]
+    assert sorted(u.block_hash for u in updated) == sorted(hashes(hot))
+    assert {(u.priority.old, u.priority.new) for u in updated} == {(36, 35)}
+    assert [mgr.block_info(d)["priority"] for d in (*junk.digests, *hot.digests)] == [5, 35, 35]
+    assert mgr.block_info(late.digests[0])["priority"] == 5  # bands off: a junk class is still junk
+
+
 def test_a_block_a_client_reprioritized_is_the_clients_and_survives_a_revoke():
     mgr = KVCacheManager(KvCacheConfig(num_gpu_blocks=64, block_size=BS, adaptive=policy()))
     p = prompt(toks(0, 1))

@@ -166,11 +166,11 @@ class Reference:
         adaptive_new = None
         if self.adaptive is not None:
             self.adaptive.on_lookup(prompt.digests, len(matched), now)
-            if self.adaptive.revoke_due:  # the guard turned the bands off: the policy's blocks at 35
+            if self.adaptive.revoke_due:  # the guard turned the bands off: raised blocks to 35
                 self.adaptive.revoke_due = False
                 for b in self.blocks.values():
                     if b.tag >= 0:
-                        b.priority = DEFAULT_PRIORITY
+                        b.priority = min(b.priority, DEFAULT_PRIORITY)
                         b.duration = b.expires_at = None
         for i, d in enumerate(matched):
             b = self.blocks[d]
@@ -258,8 +258,9 @@ class CacheMachine(RuleBasedStateMachine):
                 max_events=st.sampled_from([3, 10_000]), adaptive=st.booleans(), part_blocks=st.sampled_from([2, 64]))
     def setup(self, gpu, host, min_offload, max_events, adaptive, part_blocks):
         # Two learners of the (stateful, deterministic) policy see the same calls.
-        # The guard switches often (rate 0.2, margin 0); the frequency band gets durations.
-        policy = AdaptivePolicy(min_samples=2.0, guard_rate=0.2, guard_margin=0.0,
+        # The guard switches often (rate 0.2, margin 0); the frequency band gets durations; junk
+        # is common (a class starts below 0.3), so revokes meet junk blocks (which stay junk).
+        policy = AdaptivePolicy(min_samples=2.0, guard_rate=0.2, guard_margin=0.0, junk_probability=0.3,
                                 frequency_horizons=2.0) if adaptive else None
         self.clock = ManualClock()
         self.core = KVCacheManager(KvCacheConfig(
