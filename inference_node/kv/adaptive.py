@@ -135,7 +135,7 @@ class AdaptivePolicy:
     table_every: int = 512
     #: If > 0, a block in the frequency band keeps it only this many *horizons* (how long the LRU
     #: shadow keeps a block: the age of its oldest entry) after it was last used, then falls back
-    #: to 35. Off by default; 6 is what a KV-aware routed fleet wanted in the simulator
+    #: to 35. Off by default; 3 is what a KV-aware routed fleet wanted in the simulator
     #: (docs/benchmarks.md, "The bands lose in a routed fleet").
     frequency_horizons: float = 0.0
 

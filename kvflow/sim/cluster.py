@@ -88,8 +88,8 @@ ROUTER_PREFILL_TOKENS_PER_S = 10000.0
 ROUTING = ("random", "round_robin", "least_loaded", "kv_aware", "dynamo_cost", "sglang", "llm_d", "kv_aware_load")
 EVICTION = ("lru", "priority", "adaptive", "adaptive_routed")
 #: The adaptive policy for nodes behind KV-aware routing (docs/benchmarks.md, "The bands lose in a
-#: routed fleet"; 6 chosen on the conversation trace's fleet simulation, 4 to 8 measured).
-ROUTED_ADAPTIVE = AdaptivePolicy(frequency_horizons=6.0)
+#: routed fleet"; 3 chosen on the conversation trace's fleet simulation, 1 to 8 measured).
+ROUTED_ADAPTIVE = AdaptivePolicy(frequency_horizons=3.0)
 
 
 def percentile(xs: Sequence[float], q: float) -> float:

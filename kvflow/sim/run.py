@@ -30,7 +30,7 @@ from typing import Any
 
 from kvflow.anchors import arc_hit_rate, s3fifo_hit_rate
 from kvflow.bench.harness import BenchResult
-from kvflow.sim.cluster import SimResult, pooled_belady, simulate
+from kvflow.sim.cluster import ROUTED_ADAPTIVE, SimResult, pooled_belady, simulate
 from kvflow.sim.routing import (
     PREFILL_S_PER_TOKEN,
     SIM_WEIGHTS,
@@ -132,7 +132,7 @@ def markdown_report(res: BenchResult, study: RoutingStudy, capacities: tuple[int
     lines += ["", "KV-aware routing with the adaptive policy against one pooled LRU cache of the same size:", ""]
     lines += [f"- {cap:,} blocks per node: {res.ratios[f'kv_aware_adaptive_vs_pooled_lru_hit_rate_{cap}']:.3f}x "
               f"(defaults), {res.ratios[f'kv_aware_adaptive_routed_vs_pooled_lru_hit_rate_{cap}']:.3f}x "
-              "(`frequency_horizons=6`)" for cap in capacities]
+              f"(`frequency_horizons={ROUTED_ADAPTIVE.frequency_horizons:g}`)" for cap in capacities]
     lines += ["", "## One cache, Mooncake trace: hit rate against capacity", "",
               "| blocks | " + " | ".join(curves) + " |", "| ---: |" + " ---: |" * len(curves)]
     for i, cap in enumerate(curve_capacities):

@@ -159,11 +159,11 @@ def test_a_crashed_engine_answers_503_at_once_and_never_hangs(client):
 
 
 def test_an_adaptive_node_takes_its_frequency_horizons_and_shows_what_it_learned(monkeypatch):
-    monkeypatch.setenv("KVFLOW_NODE_ADAPTIVE_FREQUENCY_HORIZONS", "6")
+    monkeypatch.setenv("KVFLOW_NODE_ADAPTIVE_FREQUENCY_HORIZONS", "3")
     node = make_node(adaptive=True)
     try:
         assert node.core.adaptive is not None
-        assert node.core.adaptive.policy.frequency_horizons == 6.0
+        assert node.core.adaptive.policy.frequency_horizons == 3.0
         stats = TestClient(create_app(node)).get("/v1/kv/stats").json()
         assert stats["adaptive"]["bands"] is True and stats["adaptive"]["switches"] == 0
     finally:
