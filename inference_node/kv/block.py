@@ -17,7 +17,7 @@ Which module writes which slots:
 ``hash``, ``parent``, ``lora_id``,         creates, caches, moves, takes into use,
 ``priority``, ``duration``, ``ref`` (up),  re-prioritizes or removes a block
 ``children``, ``gpu_children``, ``hits``,
-``released_at``, ``expiry_version``
+``expiry_version``
 ``adaptive_class``                         the pool and the manager, with what the adaptive
                                            policy decides
 ``evict_state``, ``heap_version``,         the tier's :class:`~inference_node.kv.eviction.EvictionIndex`
@@ -62,7 +62,7 @@ class Block:
     __slots__ = (
         "adaptive_class", "children", "digest", "duration", "evict_state", "expiry_version", "gpu_children",
         "hash", "heap_version", "hits", "last_used", "level", "lora_id", "parent", "priority", "ref",
-        "released_at", "slot", "uid",
+        "slot", "uid",
     )
 
     def __init__(self, uid: int, slot: int, digest: BlockDigest | None = None, hash_: int = 0,
@@ -94,8 +94,6 @@ class Block:
         self.hits = 0
         #: The adaptive policy's class of the block (-1: none).
         self.adaptive_class = -1
-        #: Clock time it last became evictable.
-        self.released_at = 0.0
         #: Where its tier's EvictionIndex holds it (``NOT_EVICTABLE``, ``IN_LIST``, …).
         self.evict_state = NOT_EVICTABLE
         #: Validates its entry in an EvictionIndex side heap (lazy deletion).

@@ -99,7 +99,7 @@ class BlockPool:
             if not b.ref:
                 if b.duration is not None:
                     # The retention clock stops while the block is in use. An evictable block has a
-                    # live expiry entry only while it has a duration (_start_clock, expire).
+                    # live expiry entry only while it has a duration (_start_clocks, expire).
                     b.expiry_version += 1
                 if b.level:
                     self._index[HOST].discard(b)
@@ -201,7 +201,6 @@ class BlockPool:
                 nb.gpu_children = 1
                 nb.hits = 0
                 nb.adaptive_class = cls
-                nb.released_at = 0.0
                 nb.evict_state = NOT_EVICTABLE
                 nb.heap_version = 0
                 nb.expiry_version = 0
@@ -342,21 +341,13 @@ class BlockPool:
 
     def _start_clocks(self) -> None:
         """Start the clocks of the blocks the last release made evictable (``_clocks``: each has a
-        duration); :meth:`_start_clock`, inlined."""
+        duration)."""
         now = self._clock()
         push, heap = heapq.heappush, self.expiries
         for b in self._clocks:
-            b.released_at = now
             b.expiry_version += 1
             push(heap, (now + b.duration, b.uid, b.expiry_version, b))  # type: ignore[operator]
         self._clocks.clear()
-
-    def _start_clock(self, b: Block) -> None:
-        """b became evictable: note when, and start its retention duration if it has one."""
-        b.released_at = now = self._clock()
-        if b.duration is not None:
-            b.expiry_version += 1
-            heapq.heappush(self.expiries, (now + b.duration, b.uid, b.expiry_version, b))
 
     def _evict_gpu(self, k: int, slots: list[int]) -> None:
         """Evict ``k`` GPU blocks (the free list is empty), appending their slots to ``slots``.
