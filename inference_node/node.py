@@ -58,7 +58,7 @@ class NodeSettings(BaseSettings):
     adaptive: bool = Field(default=False, description="Learned priorities for requests without hints.")
     adaptive_frequency_horizons: float = Field(
         default=0.0, ge=0, description="With --adaptive: keep the frequency band this many LRU horizons (0: no "
-                                       "limit); 6 for nodes behind KV-aware routing (docs/kv-core.md).")
+                                       "limit); 3 for nodes behind KV-aware routing (docs/kv-core.md).")
     emit_token_ids: bool = Field(default=False, description="Token ids in stored events.")
     kafka: bool = Field(default=True, description="Publish events to Kafka (false: drop them).")
     api_keys: SecretStr | None = Field(default=None, description="Comma-separated bearer keys (none: open).")
