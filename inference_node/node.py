@@ -58,7 +58,11 @@ class NodeSettings(BaseSettings):
     adaptive: bool = Field(default=False, description="Learned priorities for requests without hints.")
     adaptive_frequency_horizons: float = Field(
         default=0.0, ge=0, description="With --adaptive: keep the frequency band this many LRU horizons (0: no "
-                                       "limit); 3 for nodes behind KV-aware routing (docs/kv-core.md).")
+                                       "limit); 2 for nodes behind KV-aware routing (docs/kv-core.md).")
+    adaptive_soon_share: float = Field(
+        default=0.0, ge=0, le=1, description="With --adaptive: new blocks of a class whose reuses come within the "
+                                             "cache's size at least this often go to the frequency band (0: off); "
+                                             "0.3 for nodes behind KV-aware routing (docs/kv-core.md).")
     emit_token_ids: bool = Field(default=False, description="Token ids in stored events.")
     kafka: bool = Field(default=True, description="Publish events to Kafka (false: drop them).")
     api_keys: SecretStr | None = Field(default=None, description="Comma-separated bearer keys (none: open).")
@@ -107,7 +111,8 @@ def build_node(s: NodeSettings, kafka: KafkaSettings | None = None, *, sink: Sin
         raise ValueError(f"tokenizer vocabulary ({tokenizer.vocab_size}) exceeds the model's ({model.cfg.vocab_size})")
     instance_id = InstanceId(uuid.uuid4().hex)
     url = s.advertise_url or f"http://{s.host}:{s.port}"
-    adaptive = AdaptivePolicy(frequency_horizons=s.adaptive_frequency_horizons) if s.adaptive else None
+    adaptive = AdaptivePolicy(frequency_horizons=s.adaptive_frequency_horizons,
+                              soon_share=s.adaptive_soon_share) if s.adaptive else None
     core = KVCacheManager(KvCacheConfig(
         num_gpu_blocks=s.num_blocks, num_host_blocks=s.host_blocks, block_size=s.block_size,
         secondary_offload_min_priority=s.secondary_offload_min_priority,

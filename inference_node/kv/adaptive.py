@@ -56,7 +56,11 @@ client's system prompt pinned at 100 stays).
 What it does not see: the router. Behind KV-aware routing, in the simulator, nodes with this
 policy did worse than LRU nodes (recency first makes a conversation's newest blocks leave soon,
 and the router scatters its next turns) while every node's guard saw its cache ahead of its
-shadow: docs/benchmarks.md ("The bands lose in a routed fleet").
+shadow: docs/benchmarks.md ("The bands lose in a routed fleet"). Two settings, off by default, are
+for such nodes: ``frequency_horizons`` (a reused block keeps the frequency band only so many LRU
+horizons after its last use) and ``soon_share`` (a new block goes straight to the frequency band
+when its class's reuses mostly come *soon*: within as many block releases as the cache holds
+blocks, where LRU would have hit them — a conversation's newest blocks, reused by its next turn).
 """
 
 from __future__ import annotations
@@ -80,6 +84,7 @@ _REUSE_CLASSES = 4
 _DECODE_BASE = 64
 _REUSED_BASE = 68
 NUM_CLASSES = _REUSED_BASE + _REUSE_CLASSES
+_CLASS_MASK = 127  # a ghost's class in its low 7 bits
 #: A retention decision: priority, duration (None unless ``frequency_horizons`` is set), class.
 Retention = tuple[int, float | None, int]
 
@@ -135,9 +140,13 @@ class AdaptivePolicy:
     table_every: int = 512
     #: If > 0, a block in the frequency band keeps it only this many *horizons* (how long the LRU
     #: shadow keeps a block: the age of its oldest entry) after it was last used, then falls back
-    #: to 35. Off by default; 3 is what a KV-aware routed fleet wanted in the simulator
-    #: (docs/benchmarks.md, "The bands lose in a routed fleet").
+    #: to 35. Off by default; 2 (with ``soon_share`` 0.3) is what a KV-aware routed fleet wanted in
+    #: the simulator (docs/benchmarks.md, "The bands lose in a routed fleet").
     frequency_horizons: float = 0.0
+    #: If > 0, a new block of a class goes straight to the frequency band when at least this share
+    #: of the class's observations were reuses *soon*: within as many block releases as the cache
+    #: holds blocks (where LRU would have hit them). Off by default; 0.3 behind a KV-aware router.
+    soon_share: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.junk_priority < RECENCY_PRIORITY:
@@ -150,12 +159,15 @@ class AdaptivePolicy:
             raise ValueError("guard_margin must not be negative")
         if self.frequency_horizons < 0:
             raise ValueError("frequency_horizons must not be negative")
+        if not 0 <= self.soon_share <= 1:
+            raise ValueError("soon_share must be within [0, 1]")
 
 
 @dataclass
 class _ClassStats:
     reused: float = 0.0
     evicted: float = 0.0
+    soon: float = 0.0  # of the reuses, those within the cache's size in block releases
 
 
 class _LruShadow:
@@ -246,7 +258,12 @@ class AdaptiveLearner:
         self.sample_below = max(1, round(256 * rate))
         self.shadow_capacity = max(1, round(c * self.sample_below / 256))
         self._stats = [_ClassStats() for _ in range(NUM_CLASSES)]
-        self._ghosts: OrderedDict[bytes, int] = OrderedDict()  # digest -> class
+        #: digest -> class, with soon_share also its last use: ``last_used << 7 | class``
+        self._ghosts: OrderedDict[bytes, int] = OrderedDict()
+        self._soon = policy.soon_share > 0
+        #: The pool's release tick at the last lookup, and the reuse distance (in ticks) that is "soon".
+        self._tick = 0
+        self._soon_within = c
         #: The bands are on; off: no frequency band (LRU, with the junk band).
         self.bands = True
         #: The shadows: LRU (run while the bands are on) and the bands' (run while they are off).
@@ -275,6 +292,11 @@ class AdaptiveLearner:
             return None
         return h * self._lru.horizon
 
+    def soon_probability(self, cls: int) -> float:
+        """The share of the class's observations that were reuses within the cache's size."""
+        s = self._stats[cls]
+        return s.soon / (s.reused + s.evicted + self.policy.min_samples)
+
     def probability(self, cls: int) -> float:
         s = self._stats[cls]
         w = self.policy.min_samples
@@ -286,39 +308,49 @@ class AdaptiveLearner:
             return self._ranks
         pol = self.policy
         frequency = FREQUENCY_PRIORITY if self.bands else RECENCY_PRIORITY  # off: LRU (and junk)
+        soon = pol.soon_share
         table = [pol.junk_priority if self.probability(c) < pol.junk_probability
-                 else frequency if c >= _REUSED_BASE else RECENCY_PRIORITY
+                 else frequency if c >= _REUSED_BASE or (soon and self.soon_probability(c) >= soon)
+                 else RECENCY_PRIORITY
                  for c in range(NUM_CLASSES)]
         self._ranks, self._dirty = table, 0
         return table
 
-    def _observe(self, cls: int, reused: bool) -> None:
+    def _observe(self, cls: int, reused: bool, last_used: int = -1) -> None:
+        """One observation of ``cls``: a reuse (of a block last used at tick ``last_used``; -1:
+        unknown) or a block that left unused."""
         s = self._stats[cls]
         decay = self.policy.decay
         s.reused *= decay
         s.evicted *= decay
+        s.soon *= decay
         if reused:
             s.reused += 1
+            if last_used >= 0 and self._tick - last_used < self._soon_within:
+                s.soon += 1
         else:
             s.evicted += 1
         self._dirty += 1
 
     # ---------------------------------------------------------------- the core's hooks
 
-    def on_lookup(self, digests: Sequence[bytes], matched: int, now: float) -> None:
+    def on_lookup(self, digests: Sequence[bytes], matched: int, now: float, tick: int = 0) -> None:
         """A prompt was looked up at ``now``: ``matched`` of its blocks were cached (call before
         storing the rest: :meth:`prompt_retention` then knows which of them return as ghosts).
+        ``tick``: the pool's release tick now (``Block.last_used`` counts in it).
 
         Misses on ghosts count as the reuses they would have been; the shadows replay the sampled
         blocks of the same lookup, and the guard compares.
         """
         self._returning = returning = {}
+        self._tick = tick
         ghosts = self._ghosts
         if ghosts:
             for i in range(matched, len(digests)):
-                cls = ghosts.pop(digests[i], None)
-                if cls is not None:
-                    self._observe(cls, True)
+                ghost = ghosts.pop(digests[i], None)
+                if ghost is not None:
+                    cls = ghost & _CLASS_MASK
+                    self._observe(cls, True, ghost >> 7 if self._soon else -1)
                     returning[i] = min(cls - _REUSED_BASE + 2, 6) if cls >= _REUSED_BASE else 1
         self._lru.now = now
         self._shadows(digests, matched)
@@ -393,14 +425,15 @@ class AdaptiveLearner:
             cls = _new_class(ctx.index, ctx.prompt_blocks, ctx.matched_blocks)
         return self._table()[cls], None, cls
 
-    def on_reuse(self, cls: int, priority: int, hits: int) -> Retention | None:
-        """A cached block of class ``cls`` at ``priority`` is reused (``hits``: earlier reuses).
+    def on_reuse(self, cls: int, priority: int, hits: int, last_used: int = -1) -> Retention | None:
+        """A cached block of class ``cls`` at ``priority`` is reused (``hits``: earlier reuses;
+        ``last_used``: its ``Block.last_used``, after :meth:`on_lookup` of the same prompt).
 
         Returns the raised priority, duration and new class, or None to leave the block alone.
         """
         if cls < 0:
             return None
-        self._observe(cls, True)
+        self._observe(cls, True, last_used)
         new_cls = _REUSED_BASE + _reuse_bucket(hits + 1)
         prio = self._table()[new_cls]
         if prio < priority:
@@ -410,15 +443,21 @@ class AdaptiveLearner:
     def on_evict(self, blocks: Sequence[Block]) -> None:
         """``blocks`` leave the cache (digests still set): remember each as a ghost."""
         ghosts = self._ghosts
-        for b in blocks:
-            if b.adaptive_class >= 0:
-                ghosts[b.digest] = b.adaptive_class  # type: ignore[index]
+        if self._soon:
+            for b in blocks:
+                if b.adaptive_class >= 0:
+                    ghosts[b.digest] = b.last_used << 7 | b.adaptive_class  # type: ignore[index]
+        else:
+            for b in blocks:
+                if b.adaptive_class >= 0:
+                    ghosts[b.digest] = b.adaptive_class  # type: ignore[index]
         excess = len(ghosts) - self.ghost_capacity
         if excess > 0:  # never asked for again while remembered: not reused (_observe, inlined)
             stats, decay, pop = self._stats, self.policy.decay, ghosts.popitem
             for _ in range(excess):
-                s = stats[pop(last=False)[1]]
+                s = stats[pop(last=False)[1] & _CLASS_MASK]
                 s.reused *= decay
+                s.soon *= decay
                 s.evicted = s.evicted * decay + 1.0
             self._dirty += excess
 
@@ -429,6 +468,7 @@ class AdaptiveLearner:
             s = self._stats[c]
             if s.reused + s.evicted == 0:
                 continue
-            classes.append({"class": c, "probability": round(self.probability(c), 4), "priority": priority})
+            classes.append({"class": c, "probability": round(self.probability(c), 4),
+                            "soon": round(self.soon_probability(c), 4), "priority": priority})
         return {"bands": self.bands, "switches": self.switches, "guard_lead": round(self._lead, 4),
                 "sample_rate": round(self.sample_below / 256, 4), "classes": classes}

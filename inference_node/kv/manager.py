@@ -303,7 +303,7 @@ class KVCacheManager:
         raises them to (it also learns from the lookup)."""
         adaptive = self._adaptive
         if adaptive is not None:
-            adaptive.on_lookup(digests, len(blocks), self.clock())
+            adaptive.on_lookup(digests, len(blocks), self.clock(), self._pool.tick)
             if adaptive.revoke_due:
                 adaptive.revoke_due = False
                 self._pool.revoke_adaptive()
@@ -315,7 +315,7 @@ class KVCacheManager:
                 set_priority(b, prio, dur)
                 b.adaptive_class = -1  # the client's now: the policy neither learns from nor revokes it
             elif adaptive is not None:
-                raised = adaptive.on_reuse(b.adaptive_class, b.priority, b.hits - 1)
+                raised = adaptive.on_reuse(b.adaptive_class, b.priority, b.hits - 1, b.last_used)
                 if raised is not None and raised[0] >= b.priority:
                     set_priority(b, raised[0], raised[1])
                     b.adaptive_class = raised[2]

@@ -311,6 +311,11 @@ class BlockPool:
     # ------------------------------------------------------------------ queries
 
     @property
+    def tick(self) -> int:
+        """The last release tick handed out (``Block.last_used`` counts in it)."""
+        return self._tick
+
+    @property
     def used_blocks(self) -> tuple[int, int]:
         """Occupied slots per tier (cached or private)."""
         return (self.config.num_gpu_blocks - len(self._free[GPU]),

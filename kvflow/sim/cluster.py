@@ -49,8 +49,8 @@ Routing policies (:data:`ROUTING`):
 
 Eviction policies: ``lru`` (no hints), ``priority`` (the clients' retention configs),
 ``adaptive`` (learned, defaults), ``adaptive_routed`` (learned, with ``ROUTED_ADAPTIVE``: the
-frequency band protected for a few LRU horizons, what a routed fleet wants) and ``belady``
-(offline optimum; pooled only).
+frequency band protected for a few LRU horizons, and new blocks of classes reused soon stored in
+it, what a routed fleet wants) and ``belady`` (offline optimum; pooled only).
 """
 
 from __future__ import annotations
@@ -88,8 +88,9 @@ ROUTER_PREFILL_TOKENS_PER_S = 10000.0
 ROUTING = ("random", "round_robin", "least_loaded", "kv_aware", "dynamo_cost", "sglang", "llm_d", "kv_aware_load")
 EVICTION = ("lru", "priority", "adaptive", "adaptive_routed")
 #: The adaptive policy for nodes behind KV-aware routing (docs/benchmarks.md, "The bands lose in a
-#: routed fleet"; 3 chosen on the conversation trace's fleet simulation, 1 to 8 measured).
-ROUTED_ADAPTIVE = AdaptivePolicy(frequency_horizons=3.0)
+#: routed fleet": horizons 2 and soon share 0.3 chosen on the conversation trace's fleet simulation
+#: from 2 / 3 / 4 / 6 and 0.3 / 0.5, then checked on five families and a second draw of four).
+ROUTED_ADAPTIVE = AdaptivePolicy(frequency_horizons=2.0, soon_share=0.3)
 
 
 def percentile(xs: Sequence[float], q: float) -> float:

@@ -158,12 +158,14 @@ def test_a_crashed_engine_answers_503_at_once_and_never_hangs(client):
         assert r.status_code == 503 and "boom" in r.json()["error"]["message"], path
 
 
-def test_an_adaptive_node_takes_its_frequency_horizons_and_shows_what_it_learned(monkeypatch):
-    monkeypatch.setenv("KVFLOW_NODE_ADAPTIVE_FREQUENCY_HORIZONS", "3")
+def test_an_adaptive_node_takes_its_routed_settings_and_shows_what_it_learned(monkeypatch):
+    monkeypatch.setenv("KVFLOW_NODE_ADAPTIVE_FREQUENCY_HORIZONS", "2")
+    monkeypatch.setenv("KVFLOW_NODE_ADAPTIVE_SOON_SHARE", "0.3")
     node = make_node(adaptive=True)
     try:
         assert node.core.adaptive is not None
-        assert node.core.adaptive.policy.frequency_horizons == 3.0
+        assert node.core.adaptive.policy.frequency_horizons == 2.0
+        assert node.core.adaptive.policy.soon_share == 0.3
         stats = TestClient(create_app(node)).get("/v1/kv/stats").json()
         assert stats["adaptive"]["bands"] is True and stats["adaptive"]["switches"] == 0
     finally:

@@ -265,3 +265,54 @@ def test_frequency_horizons_protect_the_frequency_band_for_so_many_lru_horizons(
     assert pol.on_reuse(0, RECENCY_PRIORITY, hits=0) == (FREQUENCY_PRIORITY, 18.0, 68)
     assert pol.new_block(FRESH_HEAD)[1] is None  # the recency band has no duration
     assert AdaptiveLearner(AdaptivePolicy(), 4).on_reuse(0, RECENCY_PRIORITY, hits=0)[1] is None  # off by default
+
+
+def test_with_soon_share_a_class_reused_within_the_caches_size_goes_straight_to_the_frequency_band():
+    # The cache holds 4 blocks: a reuse fewer than 4 releases after the block's last use is "soon".
+    pol = AdaptiveLearner(policy(soon_share=0.3), cache_blocks=4)
+    off = AdaptiveLearner(policy(), cache_blocks=4)  # soon_share 0: off
+    _, _, head = pol.new_block(FRESH_HEAD)
+    _, _, tail = pol.new_block(FRESH_TAIL)
+    for p in (pol, off):
+        p.on_lookup([], matched=0, now=0.0, tick=100)
+        for _ in range(20):
+            p.on_reuse(head, RECENCY_PRIORITY, hits=0, last_used=97)  # 3 releases ago: soon
+            p.on_reuse(tail, RECENCY_PRIORITY, hits=0, last_used=96)  # 4 releases ago: not soon
+    reused = sum(0.99 ** k for k in range(20))  # 20 reuses, each older one decayed
+    assert pol.soon_probability(head) == pytest.approx(reused / (reused + 20))  # 0.48 >= 0.3
+    assert pol.soon_probability(tail) == 0.0
+    assert pol.new_block(FRESH_HEAD) == (FREQUENCY_PRIORITY, None, head)
+    assert pol.new_block(FRESH_TAIL) == (RECENCY_PRIORITY, None, tail)
+    assert off.new_block(FRESH_HEAD) == (RECENCY_PRIORITY, None, head)
+    assert pol.on_reuse(head, RECENCY_PRIORITY, hits=0) == (FREQUENCY_PRIORITY, None, 68)  # no age: not soon
+    assert pol.soon_probability(head) < reused / (reused + 20)
+    # A miss on a ghost counts by the block's last use before its eviction.
+    ghost = AdaptiveLearner(policy(soon_share=0.3), cache_blocks=4)
+    b = evicted(b"g", head)
+    b.last_used = 98
+    ghost.on_evict([b])
+    ghost.on_lookup([b"g"], matched=0, now=0.0, tick=100)
+    assert ghost.soon_probability(head) == pytest.approx(1 / 21)
+    with pytest.raises(ValueError, match="soon_share"):
+        AdaptivePolicy(soon_share=1.5)
+
+
+def test_the_core_hands_the_policy_its_release_ticks():
+    # A 4-block cache: a reuse is soon when fewer than 4 releases came after the block's last use.
+    soon = policy(soon_share=0.3, guard_margin=OFF)
+    mgr = KVCacheManager(KvCacheConfig(num_gpu_blocks=4, block_size=BS, adaptive=soon))
+    a, b = prompt(toks(0)), prompt(toks(100))  # one block each, both of class 0 when new
+
+    def use(p) -> None:
+        mgr.allocate("r", p)
+        mgr.free("r")
+
+    use(a)  # released at tick 1
+    for _ in range(5):  # b at ticks 2..6, each reuse 0 releases after its last use: soon
+        use(b)
+    use(a)  # looked up at tick 6: 5 releases after its last use, not soon
+    learner_ = mgr.adaptive
+    assert learner_ is not None
+    # class 0: b's first reuse (soon), then a's (not, and b's observation decayed once)
+    assert learner_.soon_probability(0) == pytest.approx(0.99 / (1.99 + 20))
+    assert learner_.soon_probability(68) == pytest.approx(1 / 21)  # b's second reuse, as a reused block

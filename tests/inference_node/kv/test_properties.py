@@ -102,7 +102,7 @@ class Reference:
     def evict(self, d: bytes, now: float) -> None:
         b = self.blocks.pop(d)
         if self.adaptive is not None:
-            self.adaptive.on_evict([SimpleNamespace(digest=d, adaptive_class=b.tag)])
+            self.adaptive.on_evict([SimpleNamespace(digest=d, adaptive_class=b.tag, last_used=b.last_used)])
 
     def take_gpu(self, now: float) -> None:
         if self.free_gpu:
@@ -165,7 +165,7 @@ class Reference:
             self.free_host += 1
         adaptive_new = None
         if self.adaptive is not None:
-            self.adaptive.on_lookup(prompt.digests, len(matched), now)
+            self.adaptive.on_lookup(prompt.digests, len(matched), now, self.tick)
             if self.adaptive.revoke_due:  # the guard turned the bands off: raised blocks to 35
                 self.adaptive.revoke_due = False
                 for b in self.blocks.values():
@@ -178,7 +178,7 @@ class Reference:
                 b.priority, b.duration = ret.block_retention(i * BS, (i + 1) * BS, prompt.num_tokens)
                 b.tag = -1
             elif self.adaptive is not None:
-                raised = self.adaptive.on_reuse(b.tag, b.priority, b.hits)
+                raised = self.adaptive.on_reuse(b.tag, b.priority, b.hits, b.last_used)
                 if raised is not None and raised[0] >= b.priority:
                     if raised[0] != b.priority:
                         b.priority = raised[0]
@@ -259,9 +259,10 @@ class CacheMachine(RuleBasedStateMachine):
     def setup(self, gpu, host, min_offload, max_events, adaptive, part_blocks):
         # Two learners of the (stateful, deterministic) policy see the same calls.
         # The guard switches often (rate 0.2, margin 0); the frequency band gets durations; junk
-        # is common (a class starts below 0.3), so revokes meet junk blocks (which stay junk).
+        # is common (a class starts below 0.3), so revokes meet junk blocks (which stay junk); new
+        # blocks of classes reused within the cache's size in releases go to the frequency band.
         policy = AdaptivePolicy(min_samples=2.0, guard_rate=0.2, guard_margin=0.0, junk_probability=0.3,
-                                frequency_horizons=2.0) if adaptive else None
+                                frequency_horizons=2.0, soon_share=0.3) if adaptive else None
         self.clock = ManualClock()
         self.core = KVCacheManager(KvCacheConfig(
             num_gpu_blocks=gpu, num_host_blocks=host, block_size=BS, secondary_offload_min_priority=min_offload,
