@@ -9,8 +9,9 @@ them as any later request would, and compute only the prompt's last partial bloc
 
 Checks, in order, each answered in OpenAI's error shape: the model (404), the parameters a node
 cannot honour (400 naming each, ``eventbus.api.CANNOT``), ``kv_retention`` (400), the prompts
-(empty, token ids outside the vocabulary), ``stop_token_ids`` and ``logit_bias`` ids, the context
-length and the KV capacity (400).
+(empty, token ids outside the vocabulary), the sampling parameters (``SamplingParams.validate``:
+``logit_bias`` ids and duplicates, every range the engine would refuse), ``stop_token_ids``, the
+context length and the KV capacity (400).
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ def sampling_params(body: GenerationBody, logprobs: int | None, vocab: int) -> S
     """The body's sampling parameters, with OpenAI's defaults where it gives none (temperature 0).
 
     Raises:
-        ValueError: a ``logit_bias`` key that is not a token id of the vocabulary.
+        ValueError: a ``logit_bias`` key that is not a token id of the vocabulary (the parameters'
+            ranges are checked by ``SamplingParams.validate``, which :func:`plan` calls).
     """
     return SamplingParams(
         temperature=body.temperature or 0.0, top_p=1.0 if body.top_p is None else body.top_p,
@@ -109,10 +111,11 @@ def plan(node: Node, body: GenerationBody, prompts: list[list[int]], max_tokens:
         retention = _retention(body)
     except RetentionConfigError as exc:
         return error(400, f"kv_retention: {exc}", param="kv_retention")
-    try:
+    try:  # every parameter the engine would refuse, refused here with a 400 that names it
         params = sampling_params(body, logprobs, vocab)
+        params.validate(vocab)
     except ValueError as exc:
-        return error(400, str(exc), param="logit_bias")
+        return error(400, str(exc), param=str(exc).split(" ", 1)[0].rstrip(":"))
     stop_ids = tuple(body.stop_token_ids or ())
     if any(t >= vocab for t in stop_ids):
         return error(400, f"stop_token_ids must be within 0..{vocab - 1}", param="stop_token_ids")

@@ -27,8 +27,9 @@ has seen. For each step it takes the model's logits over the vocabulary and does
 5. **min_p**: with ``probs = softmax``, tokens with ``prob < min_p * max(probs)`` are dropped (vLLM
    applies it after the temperature, as an argmax-invariant processor).
 6. **top_k** (``0`` or ``-1``: off): the ``k`` best tokens are kept.
-7. **top_p**: over the distribution left by top_k (renormalized, as vLLM), the smallest set of the
-   best tokens whose mass is ``>= top_p`` is kept (always at least the best one).
+7. **top_p** (within ``[0, 1]``, OpenAI's range): over the distribution left by top_k (renormalized,
+   as vLLM), the smallest set of the best tokens whose mass is ``>= top_p`` is kept (always at least
+   the best one, so ``top_p = 0`` keeps only it: greedy; vLLM refuses 0).
 8. **draw** from ``softmax`` of what is left, by inverse CDF with one float64 uniform from the
    sequence's generator (seeded) or torch's default generator (unseeded).
 
@@ -134,8 +135,8 @@ class SamplingParams:
         t = self.temperature
         if not _is_real(t) or not math.isfinite(t) or t < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
-        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_real(self.top_p) or not 0 <= self.top_p <= 1:  # OpenAI's range; 0 keeps the best token
+            raise ValueError(f"top_p must be in [0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be an int >= -1 (0 or -1: off), got {self.top_k!r}")
         if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:

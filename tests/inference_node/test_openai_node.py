@@ -180,3 +180,13 @@ def test_incremental_detokenization_adds_up_to_decoding_it_all(ids):
     parts = [d.add(i) for i in ids] + [d.finish()]
     assert "".join(parts) == d.text == tok.decode(ids)
     assert all("\ufffd" not in p or tok.decode(ids).count("\ufffd") for p in parts)
+
+
+def test_top_p_0_is_accepted_as_openai_allows_and_keeps_only_the_best_token(client):
+    # The API's range is [0, 1] (OpenAI's); 0 keeps only the likeliest token, so even at a high
+    # temperature the text is the greedy one. (The fuzzer found a 503 here: the engine refused it.)
+    greedy = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 6}).json()
+    top_p_0 = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 6, "temperature": 1.5,
+                                                   "top_p": 0.0, "seed": 3})
+    assert top_p_0.status_code == 200, top_p_0.text
+    assert top_p_0.json()["choices"][0]["text"] == greedy["choices"][0]["text"]

@@ -116,6 +116,7 @@ def test_top_p_keeps_the_smallest_set_reaching_the_mass() -> None:
     assert apply_top_p(uniform, 0.5).tolist() == [0, 0, NEG_INF, NEG_INF]  # mass exactly 0.5 suffices
     assert apply_top_p(uniform, 0.6).tolist() == [0, 0, 0, NEG_INF]
     assert apply_top_p(uniform, 1e-9).tolist() == [0, NEG_INF, NEG_INF, NEG_INF]  # at least one
+    assert apply_top_p(uniform, 0.0).tolist() == [0, NEG_INF, NEG_INF, NEG_INF]  # top_p 0: the best only
     assert apply_top_p(uniform, 1.0).tolist() == [0, 0, 0, 0]
     halves = t64(-math.log(8), 0, -math.log(4), -math.log(2))  # ~ 1/15 * (1, 8, 2, 4)
     assert apply_top_p(halves, 0.4).tolist() == [NEG_INF, 0, NEG_INF, NEG_INF]
@@ -190,13 +191,14 @@ def test_seeded_sampling_follows_the_distribution() -> None:
         assert abs(got.count(tok) / len(got) - p) < 0.03
 
 
-def test_top_k_1_and_tiny_top_p_and_tiny_temperature_are_greedy() -> None:
+def test_top_k_1_and_tiny_or_zero_top_p_and_tiny_temperature_are_greedy() -> None:
     g = torch.Generator().manual_seed(2)
     for i in range(20):
         x = torch.round(torch.randn(64, generator=g) * 2)  # ties at the max now and then
         best = int(torch.argmax(x))
         for p in (SamplingParams(temperature=1.0, top_k=1, seed=i),
                   SamplingParams(temperature=1.5, top_p=1e-6, seed=i),
+                  SamplingParams(temperature=1.5, top_p=0.0, seed=i),  # OpenAI allows 0: the best only
                   SamplingParams(temperature=0.7, min_p=1.0, top_k=1, seed=i)):
             assert Sampler(p, []).sample(x).token_id == best
 
@@ -310,7 +312,7 @@ def test_sample_batch_checks_the_shape() -> None:
     ({"temperature": -0.1}, "temperature"),
     ({"temperature": math.inf}, "temperature"),
     ({"temperature": math.nan}, "temperature"),
-    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": -0.1}, "top_p"),
     ({"top_p": 1.5}, "top_p"),
     ({"top_k": -2}, "top_k"),
     ({"top_k": 2.0}, "top_k"),

@@ -84,6 +84,7 @@ def test_kv_state_is_the_ground_truth_the_events_describe(client):
     ({"prompt": "x", "best_of": 2}, 400, "best_of 2 != n 1"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options needs stream: true"),
     ({"prompt": "x", "logit_bias": {"999999": 5}}, 400, "logit_bias: '999999' is not a token id"),
+    ({"prompt": "x", "logit_bias": {"65": 5, "065": 1}}, 400, "logit_bias token id 65 appears more than once"),
     ({"prompt": "x", "top_p": 1.5}, 422, "top_p: Input should be less than or equal to 1"),
     ({"prompt": "x", "n": 17}, 422, "n: Input should be less than or equal to 16"),
     ({"prompt": ""}, 400, "the prompt is empty"),
