@@ -129,7 +129,7 @@ class SamplingParams:
         return self.greedy and not self.penalized and not self.logit_bias and self.logprobs is None
 
     def validate(self, vocab_size: int) -> None:
-        """Raise ``ValueError`` naming the first parameter out of range for a ``vocab_size`` vocabulary."""
+        """Raise ``ValueError`` for the first parameter out of range, the message starting with its name."""
         if not _is_int(vocab_size) or vocab_size < 1:
             raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
         t = self.temperature

@@ -326,7 +326,7 @@ class AdaptiveLearner:
         s.soon *= decay
         if reused:
             s.reused += 1
-            if last_used >= 0 and self._tick - last_used < self._soon_within:
+            if last_used >= 0 and 0 <= self._tick - last_used < self._soon_within:  # (no tick given: not soon)
                 s.soon += 1
         else:
             s.evicted += 1
@@ -433,7 +433,7 @@ class AdaptiveLearner:
         """
         if cls < 0:
             return None
-        self._observe(cls, True, last_used)
+        self._observe(cls, True, last_used if self._soon else -1)  # off: no share counted (nor ghosts')
         new_cls = _REUSED_BASE + _reuse_bucket(hits + 1)
         prio = self._table()[new_cls]
         if prio < priority:
