@@ -37,6 +37,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Iterable
+from itertools import islice
 
 from inference_node.kv.block import GPU, IN_HEAP, IN_LIST, NOT_EVICTABLE, PARKED, Block
 
@@ -176,6 +177,33 @@ class EvictionIndex:
             b.evict_state = NOT_EVICTABLE
             self.count -= 1
             self.add(b)
+
+    # ---------------------------------------------------------------- the adaptive policy's reads
+
+    def listed(self, priority: int) -> int:
+        """Entries of one priority's list and heap (pinned blocks and stale heap entries included:
+        what the adaptive policy's target compares, cheaply)."""
+        return len(self._lists[priority]) + len(self._heaps[priority])
+
+    def nth_last_used(self, priority: int, n: int) -> int | None:
+        """``last_used`` of the ``n``-th entry (1 = the oldest) of one priority's list; None if it
+        holds no more than ``n``."""
+        lst = self._lists[priority]
+        if len(lst) <= n:
+            return None
+        return next(islice(lst, n - 1, None)).last_used
+
+    def oldest(self, priority: int, k: int) -> list[Block]:
+        """Up to ``k`` evictable (unpinned) blocks from the front of one priority's list, oldest first."""
+        out: list[Block] = []
+        if k <= 0:
+            return out
+        for b in self._lists[priority]:
+            if not b.ref:
+                out.append(b)
+                if len(out) == k:
+                    break
+        return out
 
     # ---------------------------------------------------------------- victims
 

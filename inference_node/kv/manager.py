@@ -307,6 +307,9 @@ class KVCacheManager:
             if adaptive.revoke_due:
                 adaptive.revoke_due = False
                 self._pool.revoke_adaptive()
+            if adaptive.tails_due:
+                adaptive.tails_due = False
+                adaptive.set_tails(*self._pool.band_tails(adaptive.window))
         bs = self.block_size
         set_priority = self._pool.set_priority
         for i, b in enumerate(blocks):

@@ -28,7 +28,7 @@ from eventbus.protocol import (
     StoredBlock,
     Updated,
 )
-from inference_node.kv.adaptive import AdaptiveLearner
+from inference_node.kv.adaptive import DEMOTED_PRIORITY, FREQUENCY_PRIORITY, RECENCY_PRIORITY, AdaptiveLearner
 from inference_node.kv.block import GPU, HOST, IN_LIST, NOT_EVICTABLE, Block
 from inference_node.kv.clock import Clock
 from inference_node.kv.events import EventLog
@@ -294,21 +294,28 @@ class BlockPool:
 
     def revoke_adaptive(self) -> None:
         """The adaptive policy turned its bands off (its guard): every block it raised above the
-        default priority returns to it, at its place in recency (``updated`` for each), and a
-        duration it gave ends; its junk band stays. Blocks a client's retention config set are left
-        alone."""
+        default priority returns to it, at its place in recency (``updated`` for each), as does a
+        block it demoted (``DEMOTED_PRIORITY``), and a duration it gave ends; its junk band stays.
+        Blocks a client's retention config set are left alone."""
         for b in self.cached.values():
             if b.adaptive_class < 0:
                 continue
             if b.duration is not None:
                 b.duration = None
                 b.expiry_version += 1  # its expiry entry goes stale
-            if b.priority > DEFAULT_PRIORITY:
+            if b.priority > DEFAULT_PRIORITY or b.priority == DEMOTED_PRIORITY:
                 old = b.priority
                 self._index[b.level].rekey(b, DEFAULT_PRIORITY)
                 self._events.emit(Updated(block_hash=b.hash, priority=PriorityDiff(old=old, new=DEFAULT_PRIORITY)))
 
     # ------------------------------------------------------------------ queries
+
+    def band_tails(self, n: int) -> tuple[int, int]:
+        """For the adaptive policy's target: ``last_used`` of the ``n``-th oldest block listed on
+        the GPU at 35 and at 36 (``1 << 62``, above every tick, where a band lists no more)."""
+        index = self._index[GPU]
+        r, f = index.nth_last_used(RECENCY_PRIORITY, n), index.nth_last_used(FREQUENCY_PRIORITY, n)
+        return (1 << 62 if r is None else r), (1 << 62 if f is None else f)
 
     @property
     def tick(self) -> int:
@@ -365,6 +372,9 @@ class BlockPool:
         Raises:
             OutOfBlocks: no evictable block is left (``slots`` holds those taken so far).
         """
+        adaptive = self._adaptive
+        if adaptive is not None and adaptive.target > 0 and adaptive.bands:
+            self._replace(k)
         if self._host_enabled:
             take_slot = self._take_gpu_slot
             try:
@@ -375,7 +385,6 @@ class BlockPool:
             return
         index = self._index[GPU]
         cached = self.cached
-        adaptive = self._adaptive
         evictions = self._stats.evictions_by_priority
         append_slot = slots.append
         hashes: list[BlockHash] = []
@@ -401,6 +410,24 @@ class BlockPool:
                 k -= n
         finally:
             self._events.removed(hashes, close=True)
+
+    def _replace(self, k: int) -> None:
+        """ARC's REPLACE in priorities: while the GPU's recency band (35) holds no more blocks than
+        the adaptive policy's target, the ``k`` oldest evictable blocks of its frequency band (36)
+        go to ``DEMOTED_PRIORITY`` (``updated`` for each; a duration they had ends), where eviction
+        takes them before the recency band."""
+        index = self._index[GPU]
+        if index.listed(RECENCY_PRIORITY) > self._adaptive.target:  # type: ignore[union-attr]
+            return
+        for b in index.oldest(FREQUENCY_PRIORITY, k):
+            if b.adaptive_class < 0:
+                continue  # a client's block at 36 is the client's
+            if b.duration is not None:
+                b.duration = None
+                b.expiry_version += 1
+            index.rekey(b, DEMOTED_PRIORITY)
+            self._events.emit(Updated(block_hash=b.hash, priority=PriorityDiff(old=FREQUENCY_PRIORITY,
+                                                                               new=DEMOTED_PRIORITY)))
 
     def _take_gpu_slot(self) -> int:
         """One GPU slot: a free one, or an evicted block's (offloaded when the host tier takes it)."""

@@ -9,6 +9,7 @@ import pytest
 
 from eventbus.protocol import Removed, Updated
 from inference_node.kv.adaptive import (
+    DEMOTED_PRIORITY,
     FREQUENCY_PRIORITY,
     RECENCY_PRIORITY,
     AdaptiveLearner,
@@ -237,6 +238,12 @@ def test_settings_are_checked():
         AdaptivePolicy(guard_rate=0.0)
     with pytest.raises(ValueError, match="decay"):
         AdaptivePolicy(decay=1.5)
+    with pytest.raises(ValueError, match="junk_priority"):
+        AdaptivePolicy(junk_priority=DEMOTED_PRIORITY)  # below the frequency band's demoted blocks too
+    with pytest.raises(ValueError, match="target_window"):
+        AdaptivePolicy(target_window=1.5)
+    with pytest.raises(ValueError, match="target_window"):
+        AdaptivePolicy(target_step=-0.1)
 
 
 def test_a_new_block_is_junk_only_if_every_new_block_after_it_is_junk():
@@ -316,3 +323,84 @@ def test_the_core_hands_the_policy_its_release_ticks():
     # class 0: b's first reuse (soon), then a's (not, and b's observation decayed once)
     assert learner_.soon_probability(0) == pytest.approx(0.99 / (1.99 + 20))
     assert learner_.soon_probability(68) == pytest.approx(1 / 21)  # b's second reuse, as a reused block
+
+
+def test_hits_at_a_bands_eviction_end_move_the_recency_bands_target():
+    pol = learner(guard_margin=OFF)  # 250 blocks: a window of 16 blocks, a step of 0.5
+    assert (pol.window, pol.target) == (16, 0.0)
+    for i in range(31):
+        pol.on_lookup([b"l%d" % i], matched=0, now=0.0)
+        assert not pol.tails_due
+    pol.on_lookup([b"l31"], matched=0, now=0.0)
+    assert pol.tails_due  # every 32nd lookup the core reads the bands' ends
+    pol.set_tails(10, 20)  # the 16th oldest recency block was last used at tick 10, frequency 20
+    assert pol.on_reuse(0, RECENCY_PRIORITY, hits=0, last_used=10) is not None
+    assert pol.target == 0.5  # a hit at the recency band's end: it should be larger
+    pol.on_reuse(0, RECENCY_PRIORITY, hits=0, last_used=11)  # not at the end: no move
+    assert pol.target == 0.5
+    pol.on_reuse(68, FREQUENCY_PRIORITY, hits=1, last_used=20)  # at the frequency band's end
+    assert pol.target == 0.0
+    pol.on_reuse(68, FREQUENCY_PRIORITY, hits=1, last_used=3)
+    assert pol.target == 0.0  # never below 0
+    pol.on_reuse(68, 80, hits=1, last_used=3)  # a block above the bands (the policy never lowers it)
+    assert pol.target == 0.0 and pol.describe()["target"] == 0.0
+    off = learner(target_window=0.0)
+    for i in range(64):
+        off.on_lookup([b"l%d" % i], matched=0, now=0.0)
+    assert not off.tails_due
+    off.set_tails(10, 20)
+    off.on_reuse(0, RECENCY_PRIORITY, hits=0, last_used=1)
+    assert off.target == 0.0
+
+
+def test_the_core_reads_the_bands_ends_and_a_hit_at_the_recency_bands_end_raises_the_target():
+    mgr, _ = cache(64, adaptive=policy(guard_margin=OFF))  # a window of 4 blocks, a step of 0.128
+    learned = mgr.adaptive
+    assert learned is not None and learned.window == 4
+    for i in range(31):  # 31 lookups: single blocks stored at 35, oldest first
+        mgr.allocate("r", prompt(toks(1000 + 10 * i)))
+        mgr.free("r")
+    oldest, fifth = prompt(toks(1000)), prompt(toks(1040))
+    mgr.allocate("r", oldest)  # the 32nd lookup: the core reads the ends, then the reuse counts
+    mgr.free("r")
+    assert learned.target == pytest.approx(0.128)
+    assert mgr.block_info(oldest.digests[0])["priority"] == FREQUENCY_PRIORITY
+    mgr.allocate("r", fifth)  # the 5th oldest: beyond the window of 4
+    mgr.free("r")
+    assert learned.target == pytest.approx(0.128)
+    for i in range(30):  # up to the 64th lookup: the frequency band holds 2 blocks, all at its end
+        mgr.allocate("r", prompt(toks(5000 + 10 * i)))
+        mgr.free("r")
+    mgr.allocate("r", oldest)  # a hit at the frequency band's end
+    mgr.free("r")
+    assert learned.target == pytest.approx(0.0)
+
+
+def test_while_the_recency_band_is_at_its_target_eviction_takes_the_frequency_bands_oldest_first():
+    mgr, _ = cache(6, adaptive=policy(guard_margin=OFF))
+    reused = prompt(toks(0, 10))
+    for rid in ("a", "b"):  # stored, then reused: both blocks go to the frequency band
+        mgr.allocate(rid, reused)
+        mgr.free(rid)
+    once = prompt(toks(50, 60))
+    mgr.allocate("c", once)
+    mgr.free("c")
+    learned = mgr.adaptive
+    assert learned is not None
+    learned.target = 2.0  # as learned: the recency band (2 blocks) is at its target
+    mgr.drain_events()
+    mgr.allocate("d", prompt(toks(100, 110, 120, 130)))  # 4 blocks, 2 free: the frequency band goes
+    events = [e.data for e in mgr.drain_events()]
+    updated = [(u.block_hash, u.priority.old, u.priority.new) for u in events if isinstance(u, Updated)]
+    assert updated == [(h, FREQUENCY_PRIORITY, DEMOTED_PRIORITY) for h in hashes(reused)[::-1]]  # leaf first
+    removed = [h for e in events if isinstance(e, Removed) for h in e.block_hashes]
+    assert sorted(removed) == sorted(hashes(reused))
+    assert all(mgr.block_info(d)["priority"] == RECENCY_PRIORITY for d in once.digests)
+    learned.target = 0.0
+    mgr.free("d")
+    mgr.drain_events()
+    mgr.allocate("e", prompt(toks(200, 210)))  # target 0: the recency band goes first again
+    events = [e.data for e in mgr.drain_events()]
+    assert not [u for u in events if isinstance(u, Updated)]
+    removed = [h for e in events if isinstance(e, Removed) for h in e.block_hashes]
+    assert sorted(removed) == sorted(hashes(once))
