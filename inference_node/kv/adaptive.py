@@ -31,7 +31,7 @@ bands' marginal hits per block, compared at their eviction ends (as utility-base
 partitioning does). It starts at 0 (the recency band always goes first, which is what paid on
 small caches) and grows where recency pays (the conversation trace at 16,000 blocks: 0.2764
 against ARC's 0.2703; docs/benchmarks.md). ARC's own rule, moving it by hits on ghosts, lost the
-small caches by up to 4 % against ARC (docs/benchmarks.md).
+small caches by up to 4 % against ARC (docs/benchmarks.md). A cache with a host tier has no target.
 
 **Classes** (for the junk band), from what is known when a block is stored: whether its request
 continued an earlier prompt (a prefix hit beyond the first block), its distance from the prompt's
@@ -195,9 +195,11 @@ class _ClassStats:
 
 class AdaptiveLearner:
     """What the adaptive policy learns on one cache of ``cache_blocks`` blocks (both tiers), and
-    the core's hooks into it (see the module docstring)."""
+    the core's hooks into it (see the module docstring). ``tiered``: the cache has a host tier —
+    no recency target there (the core evicts GPU blocks one by one, offloading them; the target
+    was measured on one tier only)."""
 
-    def __init__(self, policy: AdaptivePolicy, cache_blocks: int) -> None:
+    def __init__(self, policy: AdaptivePolicy, cache_blocks: int, tiered: bool = False) -> None:
         self.policy = policy
         c = max(1, cache_blocks)
         self.ghost_capacity = policy.ghost_capacity or 4 * c
@@ -231,7 +233,7 @@ class AdaptiveLearner:
         self._returning: dict[int, int] = {}
         #: The recency band's target, in blocks (module docstring), and how it moves.
         self.target = 0.0
-        self._target_on = policy.target_window > 0 and policy.target_step > 0
+        self._target_on = policy.target_window > 0 and policy.target_step > 0 and not tiered
         #: The blocks at each band's eviction end that count (the core reads their ends for it).
         self.window = max(1, round(policy.target_window * c))
         self._target_step = policy.target_step * c

@@ -84,7 +84,7 @@ class KVCacheManager:
         self._requests: dict[str, _Request] = {}
         self.stats = KvStats()
         self._adaptive = None if config.adaptive is None else AdaptiveLearner(
-            config.adaptive, config.num_gpu_blocks + config.num_host_blocks)
+            config.adaptive, config.num_gpu_blocks + config.num_host_blocks, tiered=config.num_host_blocks > 0)
         self._events = EventLog(window_size=config.window_size, max_queued=config.max_queued_events,
                                 snapshot_part_blocks=config.snapshot_part_blocks, stats=self.stats)
         self._pool = BlockPool(config, clock, self.stats, self._events, self._adaptive)

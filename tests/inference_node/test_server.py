@@ -162,12 +162,15 @@ def test_a_crashed_engine_answers_503_at_once_and_never_hangs(client):
 def test_an_adaptive_node_takes_its_routed_settings_and_shows_what_it_learned(monkeypatch):
     monkeypatch.setenv("KVFLOW_NODE_ADAPTIVE_FREQUENCY_HORIZONS", "2")
     monkeypatch.setenv("KVFLOW_NODE_ADAPTIVE_SOON_SHARE", "0.3")
+    monkeypatch.setenv("KVFLOW_NODE_ADAPTIVE_TARGET_WINDOW", "0")
     node = make_node(adaptive=True)
     try:
         assert node.core.adaptive is not None
         assert node.core.adaptive.policy.frequency_horizons == 2.0
         assert node.core.adaptive.policy.soon_share == 0.3
+        assert node.core.adaptive.policy.target_window == 0.0
         stats = TestClient(create_app(node)).get("/v1/kv/stats").json()
         assert stats["adaptive"]["bands"] is True and stats["adaptive"]["switches"] == 0
+        assert stats["adaptive"]["target"] == 0.0
     finally:
         node.close()

@@ -70,8 +70,8 @@ def test_a_miss_on_a_recently_evicted_block_counts_as_a_reuse_and_it_returns_to_
     assert pol.prompt_retention(prompt_blocks=3, matched=1, end=3)[0][2] == 4  # no ghost now: one from the end
 
 
-def test_the_recency_band_is_evicted_before_the_frequency_band():
-    mgr, _ = cache(6, adaptive=policy(guard_margin=OFF))
+def two_bands(mgr: KVCacheManager):
+    """Two blocks stored and reused (the frequency band), then two stored once (the recency band)."""
     reused = prompt(toks(0, 10))
     for rid in ("a", "b"):  # stored, then reused: both blocks go to the frequency band
         mgr.allocate(rid, reused)
@@ -79,6 +79,12 @@ def test_the_recency_band_is_evicted_before_the_frequency_band():
     once = prompt(toks(50, 60))
     mgr.allocate("c", once)
     mgr.free("c")
+    return reused, once
+
+
+def test_the_recency_band_is_evicted_before_the_frequency_band():
+    mgr, _ = cache(6, adaptive=policy(guard_margin=OFF))
+    reused, once = two_bands(mgr)
     assert [mgr.block_info(d)["priority"] for d in (*reused.digests, *once.digests)] == [36, 36, 35, 35]
     mgr.drain_events()
     mgr.allocate("d", prompt(toks(100, 110, 120, 130)))  # 4 blocks, 2 free: the recency band goes
@@ -344,13 +350,13 @@ def test_hits_at_a_bands_eviction_end_move_the_recency_bands_target():
     assert pol.target == 0.0  # never below 0
     pol.on_reuse(68, 80, hits=1, last_used=3)  # a block above the bands (the policy never lowers it)
     assert pol.target == 0.0 and pol.describe()["target"] == 0.0
-    off = learner(target_window=0.0)
-    for i in range(64):
-        off.on_lookup([b"l%d" % i], matched=0, now=0.0)
-    assert not off.tails_due
-    off.set_tails(10, 20)
-    off.on_reuse(0, RECENCY_PRIORITY, hits=0, last_used=1)
-    assert off.target == 0.0
+    for off in (learner(target_window=0.0), AdaptiveLearner(policy(), cache_blocks=250, tiered=True)):
+        for i in range(64):  # no target: none with target_window 0, none on a cache with a host tier
+            off.on_lookup([b"l%d" % i], matched=0, now=0.0)
+        assert not off.tails_due
+        off.set_tails(10, 20)
+        off.on_reuse(0, RECENCY_PRIORITY, hits=0, last_used=1)
+        assert off.target == 0.0
 
 
 def test_the_core_reads_the_bands_ends_and_a_hit_at_the_recency_bands_end_raises_the_target():
@@ -378,13 +384,7 @@ def test_the_core_reads_the_bands_ends_and_a_hit_at_the_recency_bands_end_raises
 
 def test_while_the_recency_band_is_at_its_target_eviction_takes_the_frequency_bands_oldest_first():
     mgr, _ = cache(6, adaptive=policy(guard_margin=OFF))
-    reused = prompt(toks(0, 10))
-    for rid in ("a", "b"):  # stored, then reused: both blocks go to the frequency band
-        mgr.allocate(rid, reused)
-        mgr.free(rid)
-    once = prompt(toks(50, 60))
-    mgr.allocate("c", once)
-    mgr.free("c")
+    reused, once = two_bands(mgr)
     learned = mgr.adaptive
     assert learned is not None
     learned.target = 2.0  # as learned: the recency band (2 blocks) is at its target
