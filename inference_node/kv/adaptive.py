@@ -29,7 +29,7 @@ hits land: a hit on one of the ``target_window`` x cache oldest blocks of the re
 it by ``target_step`` x cache, a hit on one of the frequency band's oldest lowers it — the two
 bands' marginal hits per block, compared at their eviction ends (as utility-based cache
 partitioning does). It starts at 0 (the recency band always goes first, which is what paid on
-small caches) and grows where recency pays (the conversation trace at 16,000 blocks: 0.2764
+small caches) and grows where recency pays (the conversation trace at 16,000 blocks: 0.2767
 against ARC's 0.2703; docs/benchmarks.md). ARC's own rule, moving it by hits on ghosts, lost the
 small caches by up to 4 % against ARC (docs/benchmarks.md). A cache with a host tier has no target.
 
@@ -323,9 +323,9 @@ class AdaptiveLearner:
                 self.tails_due = True
 
     def set_tails(self, recency: int, frequency: int) -> None:
-        """The ``last_used`` of the ``window``-th oldest evictable block of the recency and the
-        frequency band (``Block.last_used``; a band holding no more than ``window`` blocks: any
-        value above every tick, all its blocks are at its end)."""
+        """The ``last_used`` of the ``window``-th oldest block listed in the recency and the
+        frequency band's eviction order (``Block.last_used``; a band listing no more than
+        ``window`` blocks: any value above every tick, all its blocks are at its end)."""
         self._tails = (recency, frequency)
 
     def _shadows(self, digests: Sequence[bytes], matched: int) -> None:
