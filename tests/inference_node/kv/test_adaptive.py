@@ -8,6 +8,7 @@ import random
 import pytest
 
 from eventbus.protocol import Removed, Updated
+from eventbus.replay import NodeState
 from inference_node.kv.adaptive import (
     DEMOTED_PRIORITY,
     FREQUENCY_PRIORITY,
@@ -17,7 +18,8 @@ from inference_node.kv.adaptive import (
     BlockContext,
 )
 from inference_node.kv.block import Block
-from inference_node.kv.manager import KvCacheConfig, KVCacheManager
+from inference_node.kv.clock import ManualClock
+from inference_node.kv.manager import KvCacheConfig, KVCacheManager, OutOfBlocks
 
 from .helpers import BS, cache, hashes, prio, prompt, toks
 
@@ -404,3 +406,72 @@ def test_while_the_recency_band_is_at_its_target_eviction_takes_the_frequency_ba
     assert not [u for u in events if isinstance(u, Updated)]
     removed = [h for e in events if isinstance(e, Removed) for h in e.block_hashes]
     assert sorted(removed) == sorted(hashes(once))
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_with_the_target_moving_the_event_stream_still_replays_to_the_cache(seed):
+    rng = random.Random(seed)
+    clock = ManualClock()
+    mgr = KVCacheManager(KvCacheConfig(num_gpu_blocks=16, block_size=BS, window_size=64,  # the guard switches too
+                                       adaptive=policy(guard_rate=0.2, guard_margin=0.0)), clock=clock)
+    learned = mgr.adaptive
+    assert learned is not None
+    replayed = NodeState()
+    demoted = 0
+    clients: set[int] = set()
+    for i in range(400):
+        if i % 7 == 0:  # a target as learned, anywhere from none to the whole cache
+            learned.target = float(rng.randint(0, 16))
+        head = rng.randint(0, 3)
+        p = prompt(toks(*[1000 * head + 10 * j for j in range(rng.randint(1, 6))]))
+        ret = prio(36) if rng.random() < 0.1 else None  # a client's blocks at 36 are never demoted
+        clock.advance(1.0)
+        try:
+            mgr.allocate("r", p, ret)
+        except OutOfBlocks:
+            continue
+        mgr.free("r")
+        events = mgr.drain_events()
+        for e in events:
+            if isinstance(e.data, Updated) and e.data.priority.new == DEMOTED_PRIORITY:
+                assert e.data.block_hash not in clients and e.data.priority.old == FREQUENCY_PRIORITY
+                demoted += 1
+            elif isinstance(e.data, Removed):
+                clients.difference_update(e.data.block_hashes)
+        if ret is not None:  # the client's now, for good, while cached
+            clients.update(hashes(p))
+        replayed.apply_all(events)  # strict: raises on any inconsistency
+        truth = mgr.cached_blocks()
+        assert replayed.blocks == NodeState.from_snapshot_blocks(truth)
+        if not learned.bands:  # the revoke returned demoted blocks to 35 as well, and none is demoted since
+            assert all(b.priority != DEMOTED_PRIORITY for b in truth)
+    assert demoted > 0 and learned.switches > 0
+
+
+def test_a_demoted_parent_waits_at_34_for_its_child_and_a_revoke_returns_it_to_35():
+    mgr, _ = cache(4, adaptive=policy(guard_margin=OFF))
+    a = prompt(toks(0, 10))
+    for rid in ("a", "b"):  # reused: both blocks in the frequency band
+        mgr.allocate(rid, a)
+        mgr.free(rid)
+    ab = prompt(toks(0, 10, 20))  # a's blocks again, and a child at 35
+    mgr.allocate("c", ab)
+    mgr.free("c")
+    learned = mgr.adaptive
+    assert learned is not None
+    learned.target = 4.0
+    mgr.drain_events()
+    mgr.allocate("d", prompt(toks(500, 510)))  # 1 free, 2 needed: the oldest of 36 (a's tail) is demoted
+    events = [e.data for e in mgr.drain_events()]
+    updated = [(u.block_hash, u.priority.old, u.priority.new) for u in events if isinstance(u, Updated)]
+    assert updated == [(hashes(a)[1], FREQUENCY_PRIORITY, DEMOTED_PRIORITY)]
+    removed = [h for e in events if isinstance(e, Removed) for h in e.block_hashes]
+    assert removed == [hashes(ab)[2]]  # the demoted parent waited for its child, which went first
+    assert [mgr.block_info(d)["priority"] for d in a.digests] == [FREQUENCY_PRIORITY, DEMOTED_PRIORITY]
+    mgr.free("d")
+    learned.bands, learned.revoke_due = False, True  # as the guard does when the cache falls behind
+    mgr.allocate("e", prompt(toks(500)))  # a hit: the lookup revokes, nothing is evicted
+    updated = [(u.block_hash, u.priority.old, u.priority.new) for u in (e.data for e in mgr.drain_events())
+               if isinstance(u, Updated)]
+    assert sorted(updated) == sorted([(hashes(a)[0], FREQUENCY_PRIORITY, RECENCY_PRIORITY),
+                                      (hashes(a)[1], DEMOTED_PRIORITY, RECENCY_PRIORITY)])
