@@ -63,10 +63,10 @@ class NodeSettings(BaseSettings):
         default=0.0, ge=0, le=1, description="With --adaptive: new blocks of a class whose reuses come within the "
                                              "cache's size at least this often go to the frequency band (0: off); "
                                              "0.3 for nodes behind KV-aware routing (docs/kv-core.md).")
-    adaptive_target_window: float = Field(
-        default=0.0625, ge=0, le=1, description="With --adaptive: the share of the cache at each band's eviction end "
-                                                "where hits move the recency band's target (0: no target, the "
-                                                "recency band always goes first; docs/kv-core.md).")
+    adaptive_life_tables: bool = Field(
+        default=True, description="With --adaptive: weigh the frequency band's oldest block against the recency "
+                                  "band's by how likely blocks of that band and age are used again (false: the "
+                                  "recency band always goes first; docs/kv-core.md).")
     emit_token_ids: bool = Field(default=False, description="Token ids in stored events.")
     kafka: bool = Field(default=True, description="Publish events to Kafka (false: drop them).")
     api_keys: SecretStr | None = Field(default=None, description="Comma-separated bearer keys (none: open).")
@@ -117,7 +117,7 @@ def build_node(s: NodeSettings, kafka: KafkaSettings | None = None, *, sink: Sin
     url = s.advertise_url or f"http://{s.host}:{s.port}"
     adaptive = AdaptivePolicy(frequency_horizons=s.adaptive_frequency_horizons,
                               soon_share=s.adaptive_soon_share,
-                              target_window=s.adaptive_target_window) if s.adaptive else None
+                              life_tables=s.adaptive_life_tables) if s.adaptive else None
     core = KVCacheManager(KvCacheConfig(
         num_gpu_blocks=s.num_blocks, num_host_blocks=s.host_blocks, block_size=s.block_size,
         secondary_offload_min_priority=s.secondary_offload_min_priority,

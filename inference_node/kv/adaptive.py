@@ -21,17 +21,23 @@ space (ARC's T1, S3-FIFO's small FIFO) and is evicted before the blocks seen twi
 FIFO); a block asked for again soon after its eviction goes straight to the protected space (a
 hit in ARC's ghost lists, in S3-FIFO's ghost FIFO).
 
-**The target.** As in ARC, the recency band has a target size ``target`` (ARC's ``p``), learned
-online, and eviction takes the frequency band's oldest blocks first while the recency band holds
-no more blocks than the target (ARC's REPLACE: the core lowers them to ``DEMOTED_PRIORITY``, 34,
-just before it evicts). What moves the target is not ARC's ghost hits but where the cache's own
-hits land: a hit on one of the ``target_window`` x cache oldest blocks of the recency band raises
-it by ``target_step`` x cache, a hit on one of the frequency band's oldest lowers it — the two
-bands' marginal hits per block, compared at their eviction ends (as utility-based cache
-partitioning does). It starts at 0 (the recency band always goes first, which is what paid on
-small caches) and grows where recency pays (the conversation trace at 16,000 blocks: 0.2767
-against ARC's 0.2703; docs/benchmarks.md). ARC's own rule, moving it by hits on ghosts, lost the
-small caches by up to 4 % against ARC (docs/benchmarks.md). A cache with a host tier has no target.
+**Life tables.** Strict bands keep every block ever reused ahead of every block seen once,
+however long ago its last use: right where reuse is frequent and long-lived (a shared prefix, a
+popular document), wrong where a phase of traffic ended and its reused blocks are stale (then LRU
+would have evicted them and kept the newer blocks). So the core does not take the recency band
+first blindly: when it must evict, it compares the two bands' oldest blocks by how likely a block
+of that band and age is to be used again — ``P``, estimated from the cache's own history per band
+and age bucket (:mod:`inference_node.kv.lifetables`: the blocks that reached an age and were used
+again at it or later, among all that reached it, the blocks evictable now included) — and lowers
+the frequency band's oldest to ``DEMOTED_PRIORITY`` (34), where eviction takes it first, when its
+``P`` is the lower (``updated`` events; a revoke returns them to 35). Where frequency pays, old
+frequency blocks keep a high ``P`` and the bands stay strict (the conversation trace at 4,000
+blocks: 1.81 x LRU); where it does not, they go first, as in LRU (shifting_mix at 16,000 blocks:
+exactly LRU's hits, where strict bands lost 0.17 %). An age with little evidence inherits the
+estimate of the ages below it (``life_prior_blocks``), and old counts fade (``life_half_events``).
+It replaces the recency band's ARC-style target of the previous version (docs/benchmarks.md).
+A cache with a host tier has no life tables (its GPU blocks are evicted one by one, offloading
+them; measured on one tier only).
 
 **Classes** (for the junk band), from what is known when a block is stored: whether its request
 continued an earlier prompt (a prefix hit beyond the first block), its distance from the prompt's
@@ -80,6 +86,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from eventbus.protocol import DEFAULT_PRIORITY
+from inference_node.kv.lifetables import FREQUENCY_BAND, RECENCY_BAND, LifeTables
 from inference_node.kv.shadows import BandsShadow, LruShadow
 
 if TYPE_CHECKING:
@@ -88,11 +95,9 @@ if TYPE_CHECKING:
 #: The recency band (ARC's T1, S3-FIFO's small FIFO) and the frequency band (T2, the main FIFO).
 RECENCY_PRIORITY = DEFAULT_PRIORITY
 FREQUENCY_PRIORITY = DEFAULT_PRIORITY + 1
-#: The frequency band's oldest blocks, lowered by the core while the recency band is at or under
-#: its target, so that eviction takes them first (ARC's REPLACE; the junk band still goes before).
+#: The frequency band's oldest blocks, lowered by the core when the life tables rate them below the
+#: recency band's oldest, so that eviction takes them first (the junk band still goes before).
 DEMOTED_PRIORITY = DEFAULT_PRIORITY - 1
-#: Lookups between two readings of the bands' eviction ends (:meth:`AdaptiveLearner.set_tails`).
-TAILS_EVERY = 32
 #: Class ids: 0..31 new prompt blocks, 64..67 decode blocks, 68..71 reused blocks (32..63 unused).
 _DIST = (0, 1, 2, 2, 3)  # distance from the prompt's end -> bucket (4+ -> 3)
 _REUSE_CLASSES = 4
@@ -102,6 +107,16 @@ NUM_CLASSES = _REUSED_BASE + _REUSE_CLASSES
 _CLASS_MASK = 127  # a ghost's class in its low 7 bits
 #: A retention decision: priority, duration (None unless ``frequency_horizons`` is set), class.
 Retention = tuple[int, float | None, int]
+
+
+def _band(priority: int) -> int:
+    """The life tables' band of a priority: the recency band, the frequency band (demoted blocks
+    included), or -1 (junk, a client's priority)."""
+    if priority == RECENCY_PRIORITY:
+        return RECENCY_BAND
+    if priority in (FREQUENCY_PRIORITY, DEMOTED_PRIORITY):
+        return FREQUENCY_BAND
+    return -1
 
 
 def _size_bucket(n_blocks: int) -> int:
@@ -162,12 +177,17 @@ class AdaptivePolicy:
     #: of the class's observations were reuses *soon*: within as many block releases as the cache
     #: holds blocks (where LRU would have hit them). Off by default; 0.3 behind a KV-aware router.
     soon_share: float = 0.0
-    #: The recency band's target (module docstring): a hit among the oldest ``target_window`` x
-    #: cache blocks of a band moves it by ``target_step`` x cache. 0 (either) = no target: the
-    #: recency band always goes first. Chosen on the conversation trace and the seven families
-    #: (docs/benchmarks.md, "A fifth round").
-    target_window: float = 0.0625
-    target_step: float = 0.002
+    #: Life tables (module docstring): the core weighs the frequency band's oldest block against
+    #: the recency band's by the chance that a block of its band and age is used again. Off: the
+    #: recency band always goes first (strict bands).
+    life_tables: bool = True
+    #: The evidence, in blocks, that an age bucket needs to outweigh the estimate of the younger
+    #: ages (the prior's weight).
+    life_prior_blocks: float = 800.0
+    #: The tables' counts of hits and evictions are halved every so many of them.
+    life_half_events: int = 4096
+    #: Lookups between two computations of the tables' estimates.
+    life_every: int = 8
 
     def __post_init__(self) -> None:
         if not 0 <= self.junk_priority < DEMOTED_PRIORITY:
@@ -182,8 +202,10 @@ class AdaptivePolicy:
             raise ValueError("frequency_horizons must not be negative")
         if not 0 <= self.soon_share <= 1:
             raise ValueError("soon_share must be within [0, 1]")
-        if not 0 <= self.target_window <= 1 or self.target_step < 0:
-            raise ValueError("target_window must be within [0, 1] and target_step not negative")
+        if self.life_prior_blocks < 0:
+            raise ValueError("life_prior_blocks must not be negative")
+        if self.life_half_events < 1 or self.life_every < 1:
+            raise ValueError("life_half_events and life_every must be at least 1")
 
 
 @dataclass
@@ -196,12 +218,13 @@ class _ClassStats:
 class AdaptiveLearner:
     """What the adaptive policy learns on one cache of ``cache_blocks`` blocks (both tiers), and
     the core's hooks into it (see the module docstring). ``tiered``: the cache has a host tier —
-    no recency target there (the core evicts GPU blocks one by one, offloading them; the target
-    was measured on one tier only)."""
+    no life tables there (the core evicts GPU blocks one by one, offloading them; the tables were
+    measured on one tier only)."""
 
     def __init__(self, policy: AdaptivePolicy, cache_blocks: int, tiered: bool = False) -> None:
         self.policy = policy
         c = max(1, cache_blocks)
+        self.cache_blocks = c
         self.ghost_capacity = policy.ghost_capacity or 4 * c
         rate = min(1.0, policy.shadow_sample_blocks / c)
         #: A digest is sampled when its first byte is below this (256: every digest).
@@ -231,19 +254,12 @@ class AdaptiveLearner:
         self.revoke_due = False
         #: The last looked-up prompt's blocks that were ghosts: index -> reuses it counts as.
         self._returning: dict[int, int] = {}
-        #: The recency band's target, in blocks (module docstring), and how it moves.
-        self.target = 0.0
-        self._target_on = policy.target_window > 0 and policy.target_step > 0 and not tiered
-        #: The blocks at each band's eviction end that count (the core reads their ends for it).
-        self.window = max(1, round(policy.target_window * c))
-        self._target_step = policy.target_step * c
-        self._target_max = float(c)
-        #: ``last_used`` of the ``window``-th oldest block of the recency and the frequency band: a
-        #: hit on a block used no later is at the band's end (:meth:`set_tails`).
-        self._tails = (-1, -1)
-        #: Set every ``TAILS_EVERY`` lookups while the target is on: the core then calls :meth:`set_tails`.
-        self.tails_due = False
-        self._all_lookups = 0
+        #: The life tables (module docstring); None: off, or a cache with a host tier.
+        self.life = LifeTables(policy.life_prior_blocks, policy.life_half_events, max(1, c // 64)) \
+            if policy.life_tables and not tiered else None
+        self._life_lookups = 0
+        #: Frequency blocks the core lowered to ``DEMOTED_PRIORITY`` because of the tables.
+        self.life_demotions = 0
 
     # ---------------------------------------------------------------- estimates
 
@@ -317,16 +333,12 @@ class AdaptiveLearner:
                     returning[i] = min(cls - _REUSED_BASE + 2, 6) if cls >= _REUSED_BASE else 1
         self._lru.now = now
         self._shadows(digests, matched)
-        if self._target_on:
-            self._all_lookups += 1
-            if self._all_lookups % TAILS_EVERY == 0:
-                self.tails_due = True
-
-    def set_tails(self, recency: int, frequency: int) -> None:
-        """The ``last_used`` of the ``window``-th oldest block listed in the recency and the
-        frequency band's eviction order (``Block.last_used``; a band listing no more than
-        ``window`` blocks: any value above every tick, all its blocks are at its end)."""
-        self._tails = (recency, frequency)
+        life = self.life
+        if life is not None:
+            self._life_lookups += 1
+            if self._life_lookups >= self.policy.life_every:
+                self._life_lookups = 0
+                life.compute(tick)
 
     def _shadows(self, digests: Sequence[bytes], matched: int) -> None:
         below = self.sample_below
@@ -406,12 +418,6 @@ class AdaptiveLearner:
         """
         if cls < 0:
             return None
-        if self._target_on and self.bands and priority >= RECENCY_PRIORITY:
-            if priority == FREQUENCY_PRIORITY:
-                if last_used <= self._tails[1]:
-                    self.target = max(0.0, self.target - self._target_step)
-            elif priority == RECENCY_PRIORITY and last_used <= self._tails[0]:
-                self.target = min(self._target_max, self.target + self._target_step)
         self._observe(cls, True, last_used if self._soon else -1)  # off: no share counted (nor ghosts')
         new_cls = _REUSED_BASE + _reuse_bucket(hits + 1)
         prio = self._table()[new_cls]
@@ -419,8 +425,59 @@ class AdaptiveLearner:
             return None
         return prio, self._dur(prio), new_cls
 
-    def on_evict(self, blocks: Sequence[Block]) -> None:
-        """``blocks`` leave the cache (digests still set): remember each as a ghost."""
+    # ---------------------------------------------------------------- the life tables' hooks
+
+    def taken(self, priority: int, last_used: int, hit: bool = True) -> None:
+        """An evictable block of the policy's (at ``priority``, last used at tick ``last_used``) is
+        taken into use by a lookup (after :meth:`on_lookup` of it): a hit at its age. ``hit``
+        False: it was taken and is given back unused (an allocation that failed)."""
+        life = self.life
+        if life is not None:
+            band = _band(priority)
+            if band < 0:
+                return
+            if hit:
+                life.used(band, self._tick - last_used, last_used)
+            else:
+                life.leave(band, last_used)
+
+    def released(self, blocks: Sequence[Block], first_tick: int) -> None:
+        """A release made the unused ones of ``blocks`` evictable, with ``last_used`` from tick
+        ``first_tick`` on."""
+        life = self.life
+        if life is None:
+            return
+        recency = frequency = 0
+        for b in blocks:
+            if not b.ref and b.adaptive_class >= 0:
+                p = b.priority
+                if p == RECENCY_PRIORITY:
+                    recency += 1
+                elif p in (FREQUENCY_PRIORITY, DEMOTED_PRIORITY):
+                    frequency += 1
+        life.arrive(recency, frequency, first_tick)
+
+    def moved(self, old: int, new: int, last_used: int) -> None:
+        """An evictable block of the policy's changed priority from ``old`` to ``new`` where it stands."""
+        life = self.life
+        if life is None:
+            return
+        old_band, new_band = _band(old), _band(new)
+        if old_band != new_band:
+            life.move(old_band, new_band, last_used)
+
+    def on_evict(self, blocks: Sequence[Block], tick: int = 0) -> None:
+        """``blocks`` leave the cache (digests still set) at release tick ``tick``: remember each
+        as a ghost (and, with the life tables, an end at its age)."""
+        life = self.life
+        if life is not None:
+            for b in blocks:
+                if b.adaptive_class >= 0:
+                    p = b.priority
+                    if p == RECENCY_PRIORITY:
+                        life.evicted(RECENCY_BAND, tick - b.last_used, b.last_used)
+                    elif p in (FREQUENCY_PRIORITY, DEMOTED_PRIORITY):
+                        life.evicted(FREQUENCY_BAND, tick - b.last_used, b.last_used)
         ghosts = self._ghosts
         if self._soon:
             for b in blocks:
@@ -449,6 +506,9 @@ class AdaptiveLearner:
                 continue
             classes.append({"class": c, "probability": round(self.probability(c), 4),
                             "soon": round(self.soon_probability(c), 4), "priority": priority})
+        life = None if self.life is None else {
+            "demotions": self.life_demotions,
+            **self.life.describe(self._tick, (self.cache_blocks // 4, self.cache_blocks, 4 * self.cache_blocks))}
         return {"bands": self.bands, "switches": self.switches, "guard_lead": round(self._lead, 4),
-                "target": round(self.target, 1),
+                "life": life,
                 "sample_rate": round(self.sample_below / 256, 4), "classes": classes}

@@ -36,8 +36,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Iterable
-from itertools import islice
+from collections.abc import Iterable, Iterator
 
 from inference_node.kv.block import GPU, IN_HEAP, IN_LIST, NOT_EVICTABLE, PARKED, Block
 
@@ -185,25 +184,21 @@ class EvictionIndex:
         what the adaptive policy's target compares, cheaply)."""
         return len(self._lists[priority]) + len(self._heaps[priority])
 
-    def nth_last_used(self, priority: int, n: int) -> int | None:
-        """``last_used`` of the ``n``-th entry (1 = the oldest) of one priority's list; None if it
-        holds no more than ``n``."""
-        lst = self._lists[priority]
-        if len(lst) <= n:
-            return None
-        return next(islice(lst, n - 1, None)).last_used
+    def listed_below(self, priority: int) -> int:
+        """Entries of the lists and heaps of every priority below ``priority`` (what eviction
+        takes first; pinned blocks and stale heap entries included)."""
+        mask = self._mask & ((1 << priority) - 1)
+        n = 0
+        while mask:
+            p = (mask & -mask).bit_length() - 1
+            n += len(self._lists[p]) + len(self._heaps[p])
+            mask &= mask - 1
+        return n
 
-    def oldest(self, priority: int, k: int) -> list[Block]:
-        """Up to ``k`` evictable (unpinned) blocks from the front of one priority's list, oldest first."""
-        out: list[Block] = []
-        if k <= 0:
-            return out
-        for b in self._lists[priority]:
-            if not b.ref:
-                out.append(b)
-                if len(out) == k:
-                    break
-        return out
+    def front(self, priority: int) -> Iterator[Block]:
+        """The evictable (unpinned) blocks of one priority's list, oldest first (a generator: read
+        what you need; do not change the order meanwhile)."""
+        return (b for b in self._lists[priority] if not b.ref)
 
     # ---------------------------------------------------------------- victims
 

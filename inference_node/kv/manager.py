@@ -304,12 +304,13 @@ class KVCacheManager:
         adaptive = self._adaptive
         if adaptive is not None:
             adaptive.on_lookup(digests, len(blocks), self.clock(), self._pool.tick)
+            if adaptive.life is not None:  # before a revoke: these blocks left their bands as they were
+                for b in blocks:
+                    if b.ref == 1 and b.adaptive_class >= 0:  # it was evictable: a hit at its age
+                        adaptive.taken(b.priority, b.last_used)
             if adaptive.revoke_due:
                 adaptive.revoke_due = False
                 self._pool.revoke_adaptive()
-            if adaptive.tails_due:
-                adaptive.tails_due = False
-                adaptive.set_tails(*self._pool.band_tails(adaptive.window))
         bs = self.block_size
         set_priority = self._pool.set_priority
         for i, b in enumerate(blocks):

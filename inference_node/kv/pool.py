@@ -131,8 +131,11 @@ class BlockPool:
             self._evict_gpu(needed - n_free, slots)
         except OutOfBlocks:
             free.extend(reversed(slots))
+            adaptive = self._adaptive
             for b in reversed(blocks):
                 b.hits -= 1
+                if adaptive is not None and b.ref == 1 and b.adaptive_class >= 0:
+                    adaptive.taken(b.priority, b.last_used, hit=False)  # it leaves; release brings it back
                 self.release(b)
             raise OutOfBlocks(f"needs {needed} GPU blocks; only {len(slots)} could be freed") from None
         return blocks, onboard, slots
@@ -255,16 +258,22 @@ class BlockPool:
         tail is then evicted before its head); private ones are freed. Blocks in use are on the
         GPU."""
         clocks = self._clocks
+        first = self._tick + 1
         self._tick = self._index[GPU].release(reversed(blocks), self._tick, self._free[GPU], clocks)
         if clocks:
             self._start_clocks()
+        if self._adaptive is not None and self._tick >= first:
+            self._adaptive.released(blocks, first)
 
     def release(self, b: Block) -> None:
         """One request less uses ``b`` (on either tier; a cached block)."""
         clocks = self._clocks
+        first = self._tick + 1
         self._tick = self._index[b.level].release((b,), self._tick, self._free[b.level], clocks)
         if clocks:
             self._start_clocks()
+        if self._adaptive is not None and self._tick >= first:
+            self._adaptive.released((b,), first)
 
     def set_priority(self, b: Block, priority: int, duration: float | None) -> None:
         """Re-prioritize ``b`` (``updated`` if its priority changes)."""
@@ -290,6 +299,8 @@ class BlockPool:
             if b.priority != DEFAULT_PRIORITY:
                 old = b.priority
                 self._index[b.level].rekey(b, DEFAULT_PRIORITY)
+                if self._adaptive is not None and b.adaptive_class >= 0 and not b.ref:
+                    self._adaptive.moved(old, DEFAULT_PRIORITY, b.last_used)
                 self._events.emit(Updated(block_hash=b.hash, priority=PriorityDiff(old=old, new=DEFAULT_PRIORITY)))
 
     def revoke_adaptive(self) -> None:
@@ -306,16 +317,11 @@ class BlockPool:
             if b.priority > DEFAULT_PRIORITY or b.priority == DEMOTED_PRIORITY:
                 old = b.priority
                 self._index[b.level].rekey(b, DEFAULT_PRIORITY)
+                if not b.ref:
+                    self._adaptive.moved(old, DEFAULT_PRIORITY, b.last_used)  # type: ignore[union-attr]
                 self._events.emit(Updated(block_hash=b.hash, priority=PriorityDiff(old=old, new=DEFAULT_PRIORITY)))
 
     # ------------------------------------------------------------------ queries
-
-    def band_tails(self, n: int) -> tuple[int, int]:
-        """For the adaptive policy's target: ``last_used`` of the ``n``-th oldest block listed on
-        the GPU at 35 and at 36 (``1 << 62``, above every tick, where a band lists no more)."""
-        index = self._index[GPU]
-        r, f = index.nth_last_used(RECENCY_PRIORITY, n), index.nth_last_used(FREQUENCY_PRIORITY, n)
-        return (1 << 62 if r is None else r), (1 << 62 if f is None else f)
 
     @property
     def tick(self) -> int:
@@ -373,7 +379,7 @@ class BlockPool:
             OutOfBlocks: no evictable block is left (``slots`` holds those taken so far).
         """
         adaptive = self._adaptive
-        if adaptive is not None and adaptive.target > 0 and adaptive.bands:
+        if adaptive is not None and adaptive.life is not None and adaptive.bands:
             self._replace(k)
         if self._host_enabled:
             take_slot = self._take_gpu_slot
@@ -395,7 +401,7 @@ class BlockPool:
                 if not run:
                     raise OutOfBlocks("every GPU block is in use")
                 if adaptive is not None:
-                    adaptive.on_evict(run)
+                    adaptive.on_evict(run, self._tick)
                 p = run[0].priority
                 for b in run:  # the rest of _remove(b), inlined (take did the parents)
                     del cached[b.digest]  # type: ignore[arg-type]
@@ -412,16 +418,34 @@ class BlockPool:
             self._events.removed(hashes, close=True)
 
     def _replace(self, k: int) -> None:
-        """ARC's REPLACE in priorities: while the GPU's recency band (35) holds no more blocks than
-        the adaptive policy's target, the ``k`` oldest evictable blocks of its frequency band (36)
-        go to ``DEMOTED_PRIORITY`` (``updated`` for each; a duration they had ends), where eviction
-        takes them before the recency band."""
+        """The adaptive policy's life tables before ``k`` evictions: of the victims that the junk
+        band (and blocks demoted before) do not provide, each is the older of the recency band's
+        and the frequency band's oldest evictable blocks that the tables rate lower
+        (:meth:`~inference_node.kv.lifetables.LifeTables.frequency_first`); the frequency blocks
+        among them go to ``DEMOTED_PRIORITY`` (``updated`` for each; a duration they had ends),
+        where eviction takes them before the recency band. A client's block at 36 is the
+        client's: never demoted."""
         index = self._index[GPU]
-        if index.listed(RECENCY_PRIORITY) > self._adaptive.target:  # type: ignore[union-attr]
+        adaptive = self._adaptive
+        assert adaptive is not None and adaptive.life is not None
+        k -= index.listed_below(RECENCY_PRIORITY)
+        if k <= 0:
             return
-        for b in index.oldest(FREQUENCY_PRIORITY, k):
-            if b.adaptive_class < 0:
-                continue  # a client's block at 36 is the client's
+        recency = index.front(RECENCY_PRIORITY)
+        frequency = (b for b in index.front(FREQUENCY_PRIORITY) if b.adaptive_class >= 0)
+        r, f = next(recency, None), next(frequency, None)
+        tick = self._tick
+        first = adaptive.life.frequency_first
+        demote: list[Block] = []
+        while k and f is not None and r is not None:  # no recency block left: eviction takes 36 anyway
+            if first(tick - f.last_used, tick - r.last_used):
+                demote.append(f)
+                f = next(frequency, None)
+            else:
+                r = next(recency, None)
+            k -= 1
+        adaptive.life_demotions += len(demote)
+        for b in demote:
             if b.duration is not None:
                 b.duration = None
                 b.expiry_version += 1
@@ -481,7 +505,7 @@ class BlockPool:
         assert b.children == 0 and b.ref == 0 and b.digest is not None
         del self.cached[b.digest]
         if self._adaptive is not None:
-            self._adaptive.on_evict((b,))
+            self._adaptive.on_evict((b,), self._tick)
         evictions = self._stats.evictions_by_priority
         evictions[b.priority] = evictions.get(b.priority, 0) + 1
         p = b.parent

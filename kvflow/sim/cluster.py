@@ -92,7 +92,7 @@ EVICTION = ("lru", "priority", "adaptive", "adaptive_routed")
 #: from 2 / 3 / 4 / 6 and 0.3 / 0.5, then checked on five families and a second draw of four; no
 #: recency target: with it the same fleet got 1.136 / 1.042 / 0.979 x pooled LRU, without 1.161 /
 #: 1.042 / 0.988, "A fifth round").
-ROUTED_ADAPTIVE = AdaptivePolicy(frequency_horizons=2.0, soon_share=0.3, target_window=0.0)
+ROUTED_ADAPTIVE = AdaptivePolicy(frequency_horizons=2.0, soon_share=0.3, life_tables=False)
 
 
 def percentile(xs: Sequence[float], q: float) -> float:

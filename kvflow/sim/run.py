@@ -134,7 +134,7 @@ def markdown_report(res: BenchResult, study: RoutingStudy, capacities: tuple[int
               f"(defaults), {res.ratios[f'kv_aware_adaptive_routed_vs_pooled_lru_hit_rate_{cap}']:.3f}x "
               f"(`frequency_horizons={ROUTED_ADAPTIVE.frequency_horizons:g}`, "
               f"`soon_share={ROUTED_ADAPTIVE.soon_share:g}`, "
-              f"`target_window={ROUTED_ADAPTIVE.target_window:g}`)" for cap in capacities]
+              f"`life_tables={ROUTED_ADAPTIVE.life_tables}`)" for cap in capacities]
     lines += ["", "## One cache, Mooncake trace: hit rate against capacity", "",
               "| blocks | " + " | ".join(curves) + " |", "| ---: |" + " ---: |" * len(curves)]
     for i, cap in enumerate(curve_capacities):

@@ -162,15 +162,25 @@ def test_a_crashed_engine_answers_503_at_once_and_never_hangs(client):
 def test_an_adaptive_node_takes_its_routed_settings_and_shows_what_it_learned(monkeypatch):
     monkeypatch.setenv("KVFLOW_NODE_ADAPTIVE_FREQUENCY_HORIZONS", "2")
     monkeypatch.setenv("KVFLOW_NODE_ADAPTIVE_SOON_SHARE", "0.3")
-    monkeypatch.setenv("KVFLOW_NODE_ADAPTIVE_TARGET_WINDOW", "0")
+    monkeypatch.setenv("KVFLOW_NODE_ADAPTIVE_LIFE_TABLES", "false")
     node = make_node(adaptive=True)
     try:
         assert node.core.adaptive is not None
         assert node.core.adaptive.policy.frequency_horizons == 2.0
         assert node.core.adaptive.policy.soon_share == 0.3
-        assert node.core.adaptive.policy.target_window == 0.0
+        assert node.core.adaptive.policy.life_tables is False and node.core.adaptive.life is None
         stats = TestClient(create_app(node)).get("/v1/kv/stats").json()
         assert stats["adaptive"]["bands"] is True and stats["adaptive"]["switches"] == 0
-        assert stats["adaptive"]["target"] == 0.0
+        assert stats["adaptive"]["life"] is None
+    finally:
+        node.close()
+    monkeypatch.delenv("KVFLOW_NODE_ADAPTIVE_LIFE_TABLES")
+    node = make_node(adaptive=True)  # the default: life tables on, their state in the stats
+    try:
+        stats = TestClient(create_app(node)).get("/v1/kv/stats").json()
+        life = stats["adaptive"]["life"]
+        assert life["demotions"] == 0 and life["alive"] == {"recency": 0, "frequency": 0}
+        assert set(life["p"]) == {str(node.core.adaptive.cache_blocks * m) for m in (1, 4)} | {
+            str(node.core.adaptive.cache_blocks // 4)}
     finally:
         node.close()

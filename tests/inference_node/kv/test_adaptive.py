@@ -1,5 +1,5 @@
-"""The adaptive policy: its three bands, what it learns from observed reuse, and how its guard
-falls back to LRU and returns."""
+"""The adaptive policy: its three bands, what it learns from observed reuse, its life tables, and
+how its guard falls back to LRU and returns."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from inference_node.kv.adaptive import (
 )
 from inference_node.kv.block import Block
 from inference_node.kv.clock import ManualClock
+from inference_node.kv.lifetables import FREQUENCY_BAND, NUM_BUCKETS, RECENCY_BAND, age_bucket
 from inference_node.kv.manager import KvCacheConfig, KVCacheManager, OutOfBlocks
 
 from .helpers import BS, cache, hashes, prio, prompt, toks
@@ -85,7 +86,7 @@ def two_bands(mgr: KVCacheManager):
 
 
 def test_the_recency_band_is_evicted_before_the_frequency_band():
-    mgr, _ = cache(6, adaptive=policy(guard_margin=OFF))
+    mgr, _ = cache(6, adaptive=policy(guard_margin=OFF, life_tables=False))  # strict bands
     reused, once = two_bands(mgr)
     assert [mgr.block_info(d)["priority"] for d in (*reused.digests, *once.digests)] == [36, 36, 35, 35]
     mgr.drain_events()
@@ -248,10 +249,12 @@ def test_settings_are_checked():
         AdaptivePolicy(decay=1.5)
     with pytest.raises(ValueError, match="junk_priority"):
         AdaptivePolicy(junk_priority=DEMOTED_PRIORITY)  # below the frequency band's demoted blocks too
-    with pytest.raises(ValueError, match="target_window"):
-        AdaptivePolicy(target_window=1.5)
-    with pytest.raises(ValueError, match="target_window"):
-        AdaptivePolicy(target_step=-0.1)
+    with pytest.raises(ValueError, match="life_prior_blocks"):
+        AdaptivePolicy(life_prior_blocks=-1.0)
+    with pytest.raises(ValueError, match="life_half_events"):
+        AdaptivePolicy(life_half_events=0)
+    with pytest.raises(ValueError, match="life_every"):
+        AdaptivePolicy(life_every=0)
 
 
 def test_a_new_block_is_junk_only_if_every_new_block_after_it_is_junk():
@@ -333,63 +336,57 @@ def test_the_core_hands_the_policy_its_release_ticks():
     assert learner_.soon_probability(68) == pytest.approx(1 / 21)  # b's second reuse, as a reused block
 
 
-def test_hits_at_a_bands_eviction_end_move_the_recency_bands_target():
-    pol = learner(guard_margin=OFF)  # 250 blocks: a window of 16 blocks, a step of 0.5
-    assert (pol.window, pol.target) == (16, 0.0)
-    for i in range(31):
-        pol.on_lookup([b"l%d" % i], matched=0, now=0.0)
-        assert not pol.tails_due
-    pol.on_lookup([b"l31"], matched=0, now=0.0)
-    assert pol.tails_due  # every 32nd lookup the core reads the bands' ends
-    pol.set_tails(10, 20)  # the 16th oldest recency block was last used at tick 10, frequency 20
-    assert pol.on_reuse(0, RECENCY_PRIORITY, hits=0, last_used=10) is not None
-    assert pol.target == 0.5  # a hit at the recency band's end: it should be larger
-    pol.on_reuse(0, RECENCY_PRIORITY, hits=0, last_used=11)  # not at the end: no move
-    assert pol.target == 0.5
-    pol.on_reuse(68, FREQUENCY_PRIORITY, hits=1, last_used=20)  # at the frequency band's end
-    assert pol.target == 0.0
-    pol.on_reuse(68, FREQUENCY_PRIORITY, hits=1, last_used=3)
-    assert pol.target == 0.0  # never below 0
-    pol.on_reuse(68, 80, hits=1, last_used=3)  # a block above the bands (the policy never lowers it)
-    assert pol.target == 0.0 and pol.describe()["target"] == 0.0
-    for off in (learner(target_window=0.0), AdaptiveLearner(policy(), cache_blocks=250, tiered=True)):
-        for i in range(64):  # no target: none with target_window 0, none on a cache with a host tier
-            off.on_lookup([b"l%d" % i], matched=0, now=0.0)
-        assert not off.tails_due
-        off.set_tails(10, 20)
-        off.on_reuse(0, RECENCY_PRIORITY, hits=0, last_used=1)
-        assert off.target == 0.0
+NEVER = 10**9  # a life_every no test reaches: the tables keep what the test sets
 
 
-def test_the_core_reads_the_bands_ends_and_a_hit_at_the_recency_bands_end_raises_the_target():
-    mgr, _ = cache(64, adaptive=policy(guard_margin=OFF))  # a window of 4 blocks, a step of 0.128
+def rate(learned: AdaptiveLearner, recency: float, frequency: float) -> None:
+    """Set the life tables' estimates (every age) as if learned."""
+    assert learned.life is not None
+    learned.life.p = [[recency] * NUM_BUCKETS, [frequency] * NUM_BUCKETS]
+
+
+def test_the_core_feeds_the_life_tables_hits_ends_and_the_evictable_blocks_of_each_band():
+    mgr, _ = cache(4, adaptive=policy(guard_margin=OFF, life_every=NEVER))
     learned = mgr.adaptive
-    assert learned is not None and learned.window == 4
-    for i in range(31):  # 31 lookups: single blocks stored at 35, oldest first
-        mgr.allocate("r", prompt(toks(1000 + 10 * i)))
+    assert learned is not None and learned.life is not None
+    life = learned.life
+    a, b = prompt(toks(0)), prompt(toks(100))
+
+    def use(p) -> None:
+        mgr.allocate("r", p)
         mgr.free("r")
-    oldest, fifth = prompt(toks(1000)), prompt(toks(1040))
-    mgr.allocate("r", oldest)  # the 32nd lookup: the core reads the ends, then the reuse counts
-    mgr.free("r")
-    assert learned.target == pytest.approx(0.128)
-    assert mgr.block_info(oldest.digests[0])["priority"] == FREQUENCY_PRIORITY
-    mgr.allocate("r", fifth)  # the 5th oldest: beyond the window of 4
-    mgr.free("r")
-    assert learned.target == pytest.approx(0.128)
-    for i in range(30):  # up to the 64th lookup: the frequency band holds 2 blocks, all at its end
-        mgr.allocate("r", prompt(toks(5000 + 10 * i)))
-        mgr.free("r")
-    mgr.allocate("r", oldest)  # a hit at the frequency band's end
-    mgr.free("r")
-    assert learned.target == pytest.approx(0.0)
+
+    use(a)  # tick 1: a evictable at 35
+    use(b)  # tick 2: b at 35
+    assert sum(c[0] for c in life.counts) == 2 and sum(c[1] for c in life.counts) == 0
+    use(a)  # a reused 1 release after its last use: a hit of the recency band at age 1, then 36
+    assert life._hits[RECENCY_BAND][age_bucket(1)] == 1.0
+    assert [sum(c[band] for c in life.counts) for band in (0, 1)] == [1, 1]
+    use(a)  # reused again at age 0, in the frequency band
+    assert life._hits[FREQUENCY_BAND][age_bucket(0)] == 1.0
+    for i in range(3):  # three new blocks (ticks 5, 6, 7) in 4 slots: the third evicts one
+        use(prompt(toks(500 + 10 * i)))
+    ends = life._ends
+    # Before the tables' first estimate every age rates the same: the older of the two oldest goes
+    # (b, last used at tick 2, against a at tick 4), an end of the recency band at age 6 - 2.
+    assert sum(ends[RECENCY_BAND]) + sum(ends[FREQUENCY_BAND]) == 1.0
+    assert ends[RECENCY_BAND][age_bucket(6 - 2)] == 1.0 and mgr.block_info(b.digests[0]) is None
+    # The alive counts are exactly the policy's evictable blocks of each band.
+    truth = [0, 0]
+    for blk in mgr._pool.cached.values():
+        band = 0 if blk.priority == RECENCY_PRIORITY else 1 if blk.priority in (FREQUENCY_PRIORITY,
+                                                                                 DEMOTED_PRIORITY) else -1
+        if band >= 0 and not blk.ref:
+            truth[band] += 1
+    assert [sum(c[band] for c in life.counts) for band in (0, 1)] == truth == [3, 1]
 
 
-def test_while_the_recency_band_is_at_its_target_eviction_takes_the_frequency_bands_oldest_first():
-    mgr, _ = cache(6, adaptive=policy(guard_margin=OFF))
+def test_when_the_tables_rate_the_frequency_bands_oldest_lower_it_goes_first():
+    mgr, _ = cache(6, adaptive=policy(guard_margin=OFF, life_every=NEVER))
     reused, once = two_bands(mgr)
     learned = mgr.adaptive
     assert learned is not None
-    learned.target = 2.0  # as learned: the recency band (2 blocks) is at its target
+    rate(learned, recency=0.5, frequency=0.1)  # a stale frequency band: less likely to be used again
     mgr.drain_events()
     mgr.allocate("d", prompt(toks(100, 110, 120, 130)))  # 4 blocks, 2 free: the frequency band goes
     events = [e.data for e in mgr.drain_events()]
@@ -398,30 +395,52 @@ def test_while_the_recency_band_is_at_its_target_eviction_takes_the_frequency_ba
     removed = [h for e in events if isinstance(e, Removed) for h in e.block_hashes]
     assert sorted(removed) == sorted(hashes(reused))
     assert all(mgr.block_info(d)["priority"] == RECENCY_PRIORITY for d in once.digests)
-    learned.target = 0.0
+    assert learned.life_demotions == 2 and learned.describe()["life"]["demotions"] == 2
+    rate(learned, recency=0.1, frequency=0.5)  # frequency pays: the recency band goes first again
     mgr.free("d")
     mgr.drain_events()
-    mgr.allocate("e", prompt(toks(200, 210)))  # target 0: the recency band goes first again
+    mgr.allocate("e", prompt(toks(200, 210)))
     events = [e.data for e in mgr.drain_events()]
     assert not [u for u in events if isinstance(u, Updated)]
     removed = [h for e in events if isinstance(e, Removed) for h in e.block_hashes]
     assert sorted(removed) == sorted(hashes(once))
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_with_the_target_moving_the_event_stream_still_replays_to_the_cache(seed):
+def test_on_a_tie_the_older_of_the_two_oldest_goes_first_as_in_lru():
+    mgr, _ = cache(6, adaptive=policy(guard_margin=OFF, life_every=NEVER))
+    reused, _ = two_bands(mgr)  # the frequency band's blocks were released before the recency band's
+    learned = mgr.adaptive
+    assert learned is not None
+    rate(learned, recency=0.3, frequency=0.3)
+    mgr.drain_events()
+    mgr.allocate("d", prompt(toks(100, 110, 120)))  # 3 blocks, 2 free: one victim, the oldest: reused's tail
+    removed = [h for e in mgr.drain_events() if isinstance(e.data, Removed) for h in e.data.block_hashes]
+    assert removed == [hashes(reused)[1]]
+
+
+def test_no_life_tables_when_switched_off_or_with_a_host_tier():
+    assert learner(life_tables=False).life is None
+    assert AdaptiveLearner(policy(), cache_blocks=250, tiered=True).life is None
+    assert learner().life is not None and learner().describe()["life"]["demotions"] == 0
+    assert learner(life_tables=False).describe()["life"] is None
+
+
+@pytest.mark.parametrize(("seed", "horizons"), [(1, 0.0), (2, 0.0), (3, 0.0), (4, 2.0), (5, 2.0)])
+def test_with_the_life_tables_demoting_the_event_stream_still_replays_to_the_cache(seed, horizons):
     rng = random.Random(seed)
     clock = ManualClock()
-    mgr = KVCacheManager(KvCacheConfig(num_gpu_blocks=16, block_size=BS, window_size=64,  # the guard switches too
-                                       adaptive=policy(guard_rate=0.2, guard_margin=0.0)), clock=clock)
+    # The guard switches too; with frequency_horizons, frequency blocks also expire back to 35.
+    mgr = KVCacheManager(KvCacheConfig(num_gpu_blocks=16, block_size=BS, window_size=64,
+                                       adaptive=policy(guard_rate=0.2, guard_margin=0.0, life_every=NEVER,
+                                                       frequency_horizons=horizons)), clock=clock)
     learned = mgr.adaptive
     assert learned is not None
     replayed = NodeState()
     demoted = 0
     clients: set[int] = set()
     for i in range(400):
-        if i % 7 == 0:  # a target as learned, anywhere from none to the whole cache
-            learned.target = float(rng.randint(0, 16))
+        if i % 7 == 0:  # ratings as learned: either band may be the likelier to be used again
+            rate(learned, recency=rng.random(), frequency=rng.random())
         head = rng.randint(0, 3)
         p = prompt(toks(*[1000 * head + 10 * j for j in range(rng.randint(1, 6))]))
         ret = prio(36) if rng.random() < 0.1 else None  # a client's blocks at 36 are never demoted
@@ -445,11 +464,20 @@ def test_with_the_target_moving_the_event_stream_still_replays_to_the_cache(seed
         assert replayed.blocks == NodeState.from_snapshot_blocks(truth)
         if not learned.bands:  # the revoke returned demoted blocks to 35 as well, and none is demoted since
             assert all(b.priority != DEMOTED_PRIORITY for b in truth)
+        # The tables' alive counts stay exactly the policy's evictable blocks of each band.
+        assert learned.life is not None
+        counted = [sum(c[band] for c in learned.life.counts) for band in (0, 1)]
+        evictable = [0, 0]
+        for blk in mgr._pool.cached.values():
+            if blk.adaptive_class >= 0 and not blk.ref and blk.priority in (RECENCY_PRIORITY, FREQUENCY_PRIORITY,
+                                                                          DEMOTED_PRIORITY):
+                evictable[blk.priority != RECENCY_PRIORITY] += 1
+        assert counted == evictable
     assert demoted > 0 and learned.switches > 0
 
 
 def test_a_demoted_parent_waits_at_34_for_its_child_and_a_revoke_returns_it_to_35():
-    mgr, _ = cache(4, adaptive=policy(guard_margin=OFF))
+    mgr, _ = cache(4, adaptive=policy(guard_margin=OFF, life_every=NEVER))
     a = prompt(toks(0, 10))
     for rid in ("a", "b"):  # reused: both blocks in the frequency band
         mgr.allocate(rid, a)
@@ -459,7 +487,7 @@ def test_a_demoted_parent_waits_at_34_for_its_child_and_a_revoke_returns_it_to_3
     mgr.free("c")
     learned = mgr.adaptive
     assert learned is not None
-    learned.target = 4.0
+    rate(learned, recency=0.5, frequency=0.1)
     mgr.drain_events()
     mgr.allocate("d", prompt(toks(500, 510)))  # 1 free, 2 needed: the oldest of 36 (a's tail) is demoted
     events = [e.data for e in mgr.drain_events()]

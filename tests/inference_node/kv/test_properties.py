@@ -262,7 +262,7 @@ class CacheMachine(RuleBasedStateMachine):
         # is common (a class starts below 0.3), so revokes meet junk blocks (which stay junk); new
         # blocks of classes reused within the cache's size in releases go to the frequency band.
         policy = AdaptivePolicy(min_samples=2.0, guard_rate=0.2, guard_margin=0.0, junk_probability=0.3,
-                                frequency_horizons=2.0, soon_share=0.3, target_window=0.0) if adaptive else None
+                                frequency_horizons=2.0, soon_share=0.3, life_tables=False) if adaptive else None
         self.clock = ManualClock()
         self.core = KVCacheManager(KvCacheConfig(
             num_gpu_blocks=gpu, num_host_blocks=host, block_size=BS, secondary_offload_min_priority=min_offload,

@@ -1,0 +1,215 @@
+"""Life tables of the adaptive policy's two bands: how likely a block of a given age is to be used
+again, learned online, so that eviction can weigh an old frequency block against a young recency
+block (:mod:`inference_node.kv.adaptive`, "Life tables").
+
+Per band — the recency band (35: blocks seen once) and the frequency band (36, and 34 where the
+core demoted them) — the tables count, by the block's *age* (release ticks since its last use, in
+half-octave buckets), the blocks that were used again at that age (*hits*), the blocks that left
+the cache at that age (*ends*: evicted), and the blocks evictable now (*alive*: they have reached
+their current age and not been used since). From them, for each age bucket ``k``:
+
+    P(k) = (hits at ages >= k + W * P(k - 1)) / (hits + (ends + alive) / 2 at ages >= k + W)
+
+the share of the blocks that reached age ``k`` which were used again at that age or later. An
+evicted block and one evictable now are *censored* — not used again so far, but perhaps they
+would be — and count as half a block that was not (``CENSORED``); a crowd of stale blocks still
+weighs on its own age. The estimate is shrunk towards that of the next younger bucket with the
+weight of ``W`` (``prior_blocks``) blocks, so that an age with little evidence inherits from the
+ages below it (``P(-1) = 1``). The counts of hits and ends are halved every ``half_events`` of
+them (old behaviour fades).
+
+The core asks :meth:`LifeTables.frequency_first` when it must evict: the oldest frequency block
+goes before the oldest recency block when its ``P`` is lower (on a tie, the older one goes first,
+as in LRU). Where frequency pays (a system prompt reused every few minutes, popular documents,
+users coming back after a scan) old frequency blocks keep a high ``P`` and stay; where it does not
+(a phase of traffic that ended, a conversation that will not return) they fall below the
+recency band's and go first, as LRU would take them.
+
+Alive blocks are counted in *cohorts* of release ticks (``starts``: the first tick of each, oldest
+first) whose spans grow with their age (merged when a cohort spans less than ``MERGE`` x its age),
+so that a block leaving the evictable set finds its cohort by bisection and the tables are
+recomputed from a few dozen cohorts, not from every block. Bounded state: ``NUM_BUCKETS`` buckets
+per table, and about ``log(oldest age / cohort_ticks) / log(1 + MERGE)`` cohorts.
+
+Pure and deterministic (no clock, no I/O): the core passes its release tick.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Sequence
+
+#: The bands, as the tables index them; None: a priority outside both (junk, a client's).
+RECENCY_BAND = 0
+FREQUENCY_BAND = 1
+#: Half-octave age buckets: bucket 0 holds age 0, then two per power of two (ages up to 2**43).
+NUM_BUCKETS = 88
+#: A cohort merges into the next older one while their joint span is under this x its age.
+MERGE = 0.25
+#: What an evicted or still evictable block counts for among the blocks that reached an age: it was
+#: not used again *so far* (censored: evicted, it might have been used had it stayed; alive, it may
+#: be), so it counts as half a block that was not (docs/benchmarks.md, "Life tables": 1 or 0.25
+#: for either moved the minima of the replays; 0.5 for both was the best of that grid).
+CENSORED = 0.5
+
+
+def age_bucket(age: int) -> int:
+    """The half-octave bucket of an age in ticks (0, 1, 2, 3, 4-5, 6-7, 8-11, 12-15, ...)."""
+    if age <= 1:
+        return age if age > 0 else 0
+    n = age.bit_length()
+    b = 2 * n - 1 + ((age >> (n - 2)) & 1)
+    return b if b < NUM_BUCKETS else NUM_BUCKETS - 1
+
+
+class LifeTables:
+    """See the module docstring. ``cohort_ticks``: the span of the youngest cohorts (the finest
+    resolution of the alive counts; the adaptive policy uses 1/64 of the cache)."""
+
+    __slots__ = ("_ends", "_events", "_hits", "cohort_ticks", "counts", "half_events", "p", "prior_blocks",
+                 "starts")
+
+    def __init__(self, prior_blocks: float, half_events: int, cohort_ticks: int) -> None:
+        self.prior_blocks = prior_blocks
+        self.half_events = max(1, half_events)
+        self.cohort_ticks = max(1, cohort_ticks)
+        self._hits = [[0.0] * NUM_BUCKETS, [0.0] * NUM_BUCKETS]
+        self._ends = [[0.0] * NUM_BUCKETS, [0.0] * NUM_BUCKETS]
+        self._events = 0
+        #: P per band and age bucket (:meth:`compute`); before the first computation all equal:
+        #: the older block goes first, as in LRU.
+        self.p = [[1.0] * NUM_BUCKETS, [1.0] * NUM_BUCKETS]
+        #: Alive cohorts, oldest first: the first release tick of each and its [recency, frequency] counts.
+        self.starts: list[int] = []
+        self.counts: list[list[int]] = []
+
+    # ---------------------------------------------------------------- events
+
+    def _event(self, table: list[list[float]], band: int, age: int) -> None:
+        table[band][age_bucket(age)] += 1.0
+        self._events += 1
+        if self._events >= self.half_events:
+            self._events = 0
+            for t in (self._hits, self._ends):
+                for row in t:
+                    for k in range(NUM_BUCKETS):
+                        row[k] *= 0.5
+
+    def used(self, band: int, age: int, last_used: int) -> None:
+        """An evictable block of ``band``, last used at tick ``last_used`` (``age`` ticks ago), is
+        used again: a hit at its age, and it leaves the evictable set."""
+        self._event(self._hits, band, age)
+        self.leave(band, last_used)
+
+    def evicted(self, band: int, age: int, last_used: int) -> None:
+        """An evictable block of ``band`` leaves the cache at ``age``."""
+        self._event(self._ends, band, age)
+        self.leave(band, last_used)
+
+    def arrive(self, recency: int, frequency: int, first_tick: int) -> None:
+        """Blocks became evictable with ``last_used`` from ``first_tick`` on (one release: the
+        ticks it handed out), so many in each band."""
+        if not recency and not frequency:
+            return
+        starts = self.starts
+        if not starts or first_tick - starts[-1] >= self.cohort_ticks:
+            starts.append(first_tick)
+            self.counts.append([recency, frequency])
+        else:
+            c = self.counts[-1]
+            c[0] += recency
+            c[1] += frequency
+
+    def leave(self, band: int, last_used: int) -> None:
+        """An evictable block of ``band`` last used at ``last_used`` is no longer evictable (or
+        no longer in ``band``)."""
+        i = bisect_right(self.starts, last_used) - 1
+        if i >= 0:
+            self.counts[i][band] -= 1
+
+    def move(self, old_band: int, new_band: int, last_used: int) -> None:
+        """An evictable block changes band where it stands (its priority changed); -1: no band."""
+        i = bisect_right(self.starts, last_used) - 1
+        if i < 0:
+            if new_band < 0 or not self.starts:
+                return
+            i = 0  # older than every cohort (it entered no band before): the oldest takes it
+        c = self.counts[i]
+        if old_band >= 0:
+            c[old_band] -= 1
+        if new_band >= 0:
+            c[new_band] += 1
+
+    # ---------------------------------------------------------------- estimates
+
+    def _merge_cohorts(self, tick: int) -> None:
+        """Drop the empty cohorts at the old end and merge each cohort into the next older one
+        while their joint span is under ``MERGE`` x its age (bounded state)."""
+        starts, counts = self.starts, self.counts
+        drop = 0
+        while drop < len(starts) - 1 and counts[drop][0] <= 0 and counts[drop][1] <= 0:
+            drop += 1
+        if drop:
+            del starts[:drop], counts[:drop]
+        if len(starts) < 2:
+            return
+        new_starts, new_counts = [starts[0]], [counts[0]]
+        for i in range(1, len(starts)):
+            end = starts[i + 1] if i + 1 < len(starts) else tick + 1
+            if end - new_starts[-1] <= MERGE * (tick + 1 - end):
+                prev = new_counts[-1]
+                prev[0] += counts[i][0]
+                prev[1] += counts[i][1]
+            else:
+                new_starts.append(starts[i])
+                new_counts.append(counts[i])
+        self.starts, self.counts = new_starts, new_counts
+
+    def alive(self, tick: int) -> tuple[list[int], list[int]]:
+        """Evictable blocks per band by age bucket (each cohort at the age of its middle)."""
+        out = ([0] * NUM_BUCKETS, [0] * NUM_BUCKETS)
+        starts, counts = self.starts, self.counts
+        for i, start in enumerate(starts):
+            end = starts[i + 1] if i + 1 < len(starts) else tick + 1
+            k = age_bucket(tick - (start + end - 1) // 2)
+            c = counts[i]
+            if c[0] > 0:
+                out[0][k] += c[0]
+            if c[1] > 0:
+                out[1][k] += c[1]
+        return out
+
+    def compute(self, tick: int) -> None:
+        """Recompute :attr:`p` at release tick ``tick`` (the adaptive policy does it every
+        ``life_every`` lookups)."""
+        self._merge_cohorts(tick)
+        alive = self.alive(tick)
+        w = self.prior_blocks
+        for band in (RECENCY_BAND, FREQUENCY_BAND):
+            hits, ends, live, out = self._hits[band], self._ends[band], alive[band], self.p[band]
+            hs = [0.0] * (NUM_BUCKETS + 1)
+            reached = [0.0] * (NUM_BUCKETS + 1)
+            for k in range(NUM_BUCKETS - 1, -1, -1):
+                hs[k] = hs[k + 1] + hits[k]
+                reached[k] = reached[k + 1] + hits[k] + CENSORED * (ends[k] + live[k])
+            prev = 1.0
+            for k in range(NUM_BUCKETS):
+                prev = (hs[k] + w * prev) / (reached[k] + w) if reached[k] + w > 0 else prev
+                out[k] = prev
+
+    def frequency_first(self, frequency_age: int, recency_age: int) -> bool:
+        """Whether the oldest frequency block (``frequency_age``) goes before the oldest recency
+        block (``recency_age``): its P is lower, or equal and it is older."""
+        pf = self.p[FREQUENCY_BAND][age_bucket(frequency_age)]
+        pr = self.p[RECENCY_BAND][age_bucket(recency_age)]
+        return pf < pr or (pf == pr and frequency_age > recency_age)
+
+    def describe(self, tick: int, ages: Sequence[int]) -> dict[str, object]:
+        """P per band at some ages, and the evictable blocks per band (for the node's stats)."""
+        alive = [0, 0]
+        for c in self.counts:
+            alive[0] += c[0]
+            alive[1] += c[1]
+        return {"alive": {"recency": alive[0], "frequency": alive[1]},
+                "p": {str(a): {"recency": round(self.p[0][age_bucket(a)], 4),
+                               "frequency": round(self.p[1][age_bucket(a)], 4)} for a in ages}}
