@@ -86,6 +86,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from eventbus.protocol import DEFAULT_PRIORITY
+from inference_node.kv.eviction import NUM_PRIORITIES
 from inference_node.kv.lifetables import FREQUENCY_BAND, RECENCY_BAND, LifeTables
 from inference_node.kv.shadows import BandsShadow, LruShadow
 
@@ -187,7 +188,7 @@ class AdaptivePolicy:
     #: The tables' counts of hits and evictions are halved every so many of them.
     life_half_events: int = 4096
     #: Lookups between two computations of the tables' estimates.
-    life_every: int = 8
+    life_every: int = 16
 
     def __post_init__(self) -> None:
         if not 0 <= self.junk_priority < DEMOTED_PRIORITY:
@@ -255,8 +256,8 @@ class AdaptiveLearner:
         #: The last looked-up prompt's blocks that were ghosts: index -> reuses it counts as.
         self._returning: dict[int, int] = {}
         #: The life tables (module docstring); None: off, or a cache with a host tier.
-        self.life = LifeTables(policy.life_prior_blocks, policy.life_half_events, max(1, c // 64)) \
-            if policy.life_tables and not tiered else None
+        self.life = LifeTables(policy.life_prior_blocks, policy.life_half_events, max(1, c // 64),
+                               [_band(p) for p in range(NUM_PRIORITIES)]) if policy.life_tables and not tiered else None
         self._life_lookups = 0
         #: Frequency blocks the core lowered to ``DEMOTED_PRIORITY`` because of the tables.
         self.life_demotions = 0
@@ -325,8 +326,9 @@ class AdaptiveLearner:
         self._tick = tick
         ghosts = self._ghosts
         if ghosts:
+            pop = ghosts.pop
             for i in range(matched, len(digests)):
-                ghost = ghosts.pop(digests[i], None)
+                ghost = pop(digests[i], None)
                 if ghost is not None:
                     cls = ghost & _CLASS_MASK
                     self._observe(cls, True, ghost >> 7 if self._soon else -1)
@@ -342,13 +344,8 @@ class AdaptiveLearner:
 
     def _shadows(self, digests: Sequence[bytes], matched: int) -> None:
         below = self.sample_below
-        sampled = []
-        own = 0
-        for i, d in enumerate(digests):
-            if d[0] < below:
-                sampled.append(d)
-                if i < matched:
-                    own += 1
+        sampled = [d for d in digests if d[0] < below]
+        own = len([d for d in digests[:matched] if d[0] < below]) if matched else 0  # the cache's own prefix hits
         n = len(sampled)
         bands = self.bands
         other = (self._lru if bands else self._shadow).replay(sampled)
@@ -391,6 +388,13 @@ class AdaptiveLearner:
                 cls = _REUSED_BASE + _reuse_bucket(returning[i])
             else:
                 dist = prompt_blocks - 1 - i
+                if dist >= 4 and not returning:  # this block and every one before it: one class
+                    cls = cont + _DIST[4] * 4 + size
+                    prio = table[cls]
+                    if prio == junk and kept:
+                        prio = RECENCY_PRIORITY
+                    out += [(prio, frequency_duration if prio == FREQUENCY_PRIORITY else None, cls)] * (i - matched + 1)
+                    break
                 cls = cont + _DIST[dist if dist < 4 else 4] * 4 + size
             prio = table[cls]
             if prio != junk:
@@ -418,83 +422,87 @@ class AdaptiveLearner:
         """
         if cls < 0:
             return None
-        self._observe(cls, True, last_used if self._soon else -1)  # off: no share counted (nor ghosts')
-        new_cls = _REUSED_BASE + _reuse_bucket(hits + 1)
-        prio = self._table()[new_cls]
+        # NOTE: _observe(cls, True, ...), _reuse_bucket and _table inlined: this runs for every
+        # reused block (with soon_share off no share is counted, nor ghosts').
+        s = self._stats[cls]
+        decay = self.policy.decay
+        s.reused = s.reused * decay + 1.0
+        s.evicted *= decay
+        s.soon *= decay
+        if self._soon and last_used >= 0 and 0 <= self._tick - last_used < self._soon_within:
+            s.soon += 1
+        self._dirty += 1
+        h = hits + 1
+        new_cls = _REUSED_BASE + (0 if h <= 1 else 1 if h == 2 else 2 if h <= 5 else 3)
+        ranks = self._ranks
+        if ranks is None or self._dirty >= self.policy.table_every:
+            ranks = self._table()
+        prio = ranks[new_cls]
         if prio < priority:
             return None
-        return prio, self._dur(prio), new_cls
+        return prio, self._dur(prio) if prio == FREQUENCY_PRIORITY else None, new_cls
 
     # ---------------------------------------------------------------- the life tables' hooks
 
-    def taken(self, priority: int, last_used: int, hit: bool = True) -> None:
-        """An evictable block of the policy's (at ``priority``, last used at tick ``last_used``) is
-        taken into use by a lookup (after :meth:`on_lookup` of it): a hit at its age. ``hit``
-        False: it was taken and is given back unused (an allocation that failed)."""
-        life = self.life
-        if life is not None:
-            band = _band(priority)
-            if band < 0:
-                return
-            if hit:
-                life.used(band, self._tick - last_used, last_used)
-            else:
-                life.leave(band, last_used)
+    def taken(self, blocks: Sequence[Block]) -> None:
+        """The cached blocks a lookup takes into use (after :meth:`on_lookup` of it): each one in
+        a band that was evictable (``ref`` 1 now) is a hit at its age."""
+        if self.life is not None:
+            self.life.blocks_used(blocks, self._tick)
 
-    def released(self, blocks: Sequence[Block], first_tick: int) -> None:
-        """A release made the unused ones of ``blocks`` evictable, with ``last_used`` from tick
-        ``first_tick`` on."""
+    def given_back(self, b: Block) -> None:
+        """``b`` was taken into use by an allocation that failed and is released unused: it
+        leaves its band here (the release brings it back, newest)."""
+        life = self.life
+        if life is not None and b.ref == 1:
+            band = _band(b.priority)
+            if band >= 0:
+                life.leave(band, b.last_used)
+
+    def released(self, arrived: list[int], first_tick: int) -> None:
+        """A release made blocks evictable, with ``last_used`` from tick ``first_tick`` on:
+        ``arrived`` counts them per priority (``EvictionIndex.arrived``; read and reset here)."""
+        r = arrived[RECENCY_PRIORITY]
+        f = arrived[FREQUENCY_PRIORITY] + arrived[DEMOTED_PRIORITY]
+        arrived[RECENCY_PRIORITY] = arrived[FREQUENCY_PRIORITY] = arrived[DEMOTED_PRIORITY] = 0
+        if self.life is not None:
+            self.life.arrive(r, f, first_tick)
+
+    def moved(self, b: Block, old: int) -> None:
+        """An evictable block changed priority from ``old`` to ``b.priority`` where it stands."""
         life = self.life
         if life is None:
             return
-        recency = frequency = 0
-        for b in blocks:
-            if not b.ref and b.adaptive_class >= 0:
-                p = b.priority
-                if p == RECENCY_PRIORITY:
-                    recency += 1
-                elif p in (FREQUENCY_PRIORITY, DEMOTED_PRIORITY):
-                    frequency += 1
-        life.arrive(recency, frequency, first_tick)
-
-    def moved(self, old: int, new: int, last_used: int) -> None:
-        """An evictable block of the policy's changed priority from ``old`` to ``new`` where it stands."""
-        life = self.life
-        if life is None:
-            return
-        old_band, new_band = _band(old), _band(new)
+        old_band, new_band = _band(old), _band(b.priority)
         if old_band != new_band:
-            life.move(old_band, new_band, last_used)
+            life.move(old_band, new_band, b.last_used)
 
     def on_evict(self, blocks: Sequence[Block], tick: int = 0) -> None:
         """``blocks`` leave the cache (digests still set) at release tick ``tick``: remember each
         as a ghost (and, with the life tables, an end at its age)."""
-        life = self.life
-        if life is not None:
-            for b in blocks:
-                if b.adaptive_class >= 0:
-                    p = b.priority
-                    if p == RECENCY_PRIORITY:
-                        life.evicted(RECENCY_BAND, tick - b.last_used, b.last_used)
-                    elif p in (FREQUENCY_PRIORITY, DEMOTED_PRIORITY):
-                        life.evicted(FREQUENCY_BAND, tick - b.last_used, b.last_used)
+        if self.life is not None:
+            self.life.blocks_evicted(blocks, tick)
         ghosts = self._ghosts
         if self._soon:
             for b in blocks:
                 if b.adaptive_class >= 0:
                     ghosts[b.digest] = b.last_used << 7 | b.adaptive_class  # type: ignore[index]
         else:
-            for b in blocks:
-                if b.adaptive_class >= 0:
-                    ghosts[b.digest] = b.adaptive_class  # type: ignore[index]
+            ghosts.update([(b.digest, b.adaptive_class) for b in blocks if b.adaptive_class >= 0])  # type: ignore[misc]
         excess = len(ghosts) - self.ghost_capacity
-        if excess > 0:  # never asked for again while remembered: not reused (_observe, inlined)
-            stats, decay, pop = self._stats, self.policy.decay, ghosts.popitem
+        if excess > 0:  # never asked for again while remembered: not reused (_observe, per class)
+            pop = ghosts.popitem
+            left = [0] * NUM_CLASSES
             for _ in range(excess):
-                s = stats[pop(last=False)[1] & _CLASS_MASK]
-                s.reused *= decay
-                s.soon *= decay
-                s.evicted = s.evicted * decay + 1.0
+                left[pop(last=False)[1] & _CLASS_MASK] += 1
+            decay = self.policy.decay
+            for cls, n in enumerate(left):
+                if n:  # n observations of "left unused" in a row: n decays, and the decayed ones
+                    s = self._stats[cls]
+                    d = decay ** n
+                    s.reused *= d
+                    s.soon *= d
+                    s.evicted = s.evicted * d + (n if decay == 1.0 else (1.0 - d) / (1.0 - decay))
             self._dirty += excess
 
     def describe(self) -> dict[str, object]:

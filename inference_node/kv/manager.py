@@ -304,10 +304,7 @@ class KVCacheManager:
         adaptive = self._adaptive
         if adaptive is not None:
             adaptive.on_lookup(digests, len(blocks), self.clock(), self._pool.tick)
-            if adaptive.life is not None:  # before a revoke: these blocks left their bands as they were
-                for b in blocks:
-                    if b.ref == 1 and b.adaptive_class >= 0:  # it was evictable: a hit at its age
-                        adaptive.taken(b.priority, b.last_used)
+            adaptive.taken(blocks)  # before a revoke: they left their bands as they were
             if adaptive.revoke_due:
                 adaptive.revoke_due = False
                 self._pool.revoke_adaptive()

@@ -33,6 +33,7 @@ from inference_node.kv.block import GPU, HOST, IN_LIST, NOT_EVICTABLE, Block
 from inference_node.kv.clock import Clock
 from inference_node.kv.events import EventLog
 from inference_node.kv.eviction import EvictionIndex
+from inference_node.kv.lifetables import NUM_BUCKETS
 from inference_node.kv.prompt import Prompt
 from inference_node.kv.types import BlockCopy, KvCacheConfig, KvStats, OutOfBlocks
 
@@ -134,8 +135,8 @@ class BlockPool:
             adaptive = self._adaptive
             for b in reversed(blocks):
                 b.hits -= 1
-                if adaptive is not None and b.ref == 1 and b.adaptive_class >= 0:
-                    adaptive.taken(b.priority, b.last_used, hit=False)  # it leaves; release brings it back
+                if adaptive is not None:
+                    adaptive.given_back(b)
                 self.release(b)
             raise OutOfBlocks(f"needs {needed} GPU blocks; only {len(slots)} could be freed") from None
         return blocks, onboard, slots
@@ -263,7 +264,7 @@ class BlockPool:
         if clocks:
             self._start_clocks()
         if self._adaptive is not None and self._tick >= first:
-            self._adaptive.released(blocks, first)
+            self._adaptive.released(self._index[GPU].arrived, first)
 
     def release(self, b: Block) -> None:
         """One request less uses ``b`` (on either tier; a cached block)."""
@@ -273,7 +274,7 @@ class BlockPool:
         if clocks:
             self._start_clocks()
         if self._adaptive is not None and self._tick >= first:
-            self._adaptive.released((b,), first)
+            self._adaptive.released(self._index[b.level].arrived, first)
 
     def set_priority(self, b: Block, priority: int, duration: float | None) -> None:
         """Re-prioritize ``b`` (``updated`` if its priority changes)."""
@@ -299,8 +300,8 @@ class BlockPool:
             if b.priority != DEFAULT_PRIORITY:
                 old = b.priority
                 self._index[b.level].rekey(b, DEFAULT_PRIORITY)
-                if self._adaptive is not None and b.adaptive_class >= 0 and not b.ref:
-                    self._adaptive.moved(old, DEFAULT_PRIORITY, b.last_used)
+                if self._adaptive is not None and not b.ref:
+                    self._adaptive.moved(b, old)
                 self._events.emit(Updated(block_hash=b.hash, priority=PriorityDiff(old=old, new=DEFAULT_PRIORITY)))
 
     def revoke_adaptive(self) -> None:
@@ -318,7 +319,7 @@ class BlockPool:
                 old = b.priority
                 self._index[b.level].rekey(b, DEFAULT_PRIORITY)
                 if not b.ref:
-                    self._adaptive.moved(old, DEFAULT_PRIORITY, b.last_used)  # type: ignore[union-attr]
+                    self._adaptive.moved(b, old)  # type: ignore[union-attr]
                 self._events.emit(Updated(block_hash=b.hash, priority=PriorityDiff(old=old, new=DEFAULT_PRIORITY)))
 
     # ------------------------------------------------------------------ queries
@@ -372,8 +373,8 @@ class BlockPool:
 
         With a host tier, one victim at a time (:meth:`_take_gpu_slot`: it may offload).
         Otherwise the victims come in runs (:meth:`EvictionIndex.take`, which also updates their
-        parents), the adaptive policy hears of each run, and they leave the cache here, their
-        removals in one event.
+        parents) and leave the cache here; the adaptive policy hears of them in one call, and
+        their removals go in one event.
 
         Raises:
             OutOfBlocks: no evictable block is left (``slots`` holds those taken so far).
@@ -395,17 +396,15 @@ class BlockPool:
         append_slot = slots.append
         hashes: list[BlockHash] = []
         append_hash = hashes.append
+        victims: list[Block] = []  # for the adaptive policy, in one call (their digests still set)
         try:
             while k:
                 run = index.take(k)
                 if not run:
                     raise OutOfBlocks("every GPU block is in use")
-                if adaptive is not None:
-                    adaptive.on_evict(run, self._tick)
                 p = run[0].priority
                 for b in run:  # the rest of _remove(b), inlined (take did the parents)
                     del cached[b.digest]  # type: ignore[arg-type]
-                    b.digest = None  # its expiry entries are stale for good
                     append_hash(b.hash)
                     append_slot(b.slot)
                     if b.priority != p:  # a run from a heap may mix priorities
@@ -414,43 +413,62 @@ class BlockPool:
                 n = len(run)
                 evictions[p] = evictions.get(p, 0) + n
                 k -= n
+                victims += run
         finally:
+            if adaptive is not None and victims:
+                adaptive.on_evict(victims, self._tick)
+            for b in victims:
+                b.digest = None  # its expiry entries are stale for good
             self._events.removed(hashes, close=True)
 
     def _replace(self, k: int) -> None:
-        """The adaptive policy's life tables before ``k`` evictions: of the victims that the junk
-        band (and blocks demoted before) do not provide, each is the older of the recency band's
-        and the frequency band's oldest evictable blocks that the tables rate lower
-        (:meth:`~inference_node.kv.lifetables.LifeTables.frequency_first`); the frequency blocks
-        among them go to ``DEMOTED_PRIORITY`` (``updated`` for each; a duration they had ends),
-        where eviction takes them before the recency band. A client's block at 36 is the
-        client's: never demoted."""
+        """The adaptive policy's life tables before ``k`` evictions: the frequency band's oldest
+        evictable blocks that the tables rate lower than the recency band's oldest
+        (:meth:`~inference_node.kv.lifetables.LifeTables.frequency_first`: less likely to be used
+        again at their age, or as likely and older), up to the victims that the junk band (and
+        blocks demoted before) do not provide, go to ``DEMOTED_PRIORITY`` (``updated`` for each;
+        a duration they had ends), where eviction takes them before the recency band. A client's
+        block at 36 is the client's: never demoted."""
         index = self._index[GPU]
         adaptive = self._adaptive
         assert adaptive is not None and adaptive.life is not None
         k -= index.listed_below(RECENCY_PRIORITY)
         if k <= 0:
             return
-        recency = index.front(RECENCY_PRIORITY)
-        frequency = (b for b in index.front(FREQUENCY_PRIORITY) if b.adaptive_class >= 0)
-        r, f = next(recency, None), next(frequency, None)
+        r = next(index.front(RECENCY_PRIORITY), None)
+        if r is None:  # no recency block: eviction takes the frequency band anyway
+            return
         tick = self._tick
-        first = adaptive.life.frequency_first
+        p_recency, p_frequency = adaptive.life.p
+        last = NUM_BUCKETS - 1
+        # NOTE: LifeTables.frequency_first with age_bucket inlined: this runs before every
+        # eviction, and the walk goes on only over the blocks it demotes.
+        a_r = tick - r.last_used
+        n = a_r.bit_length()
+        b = 2 * n - 1 + ((a_r >> (n - 2)) & 1) if n > 1 else a_r
+        pr = p_recency[b if b < last else last]
         demote: list[Block] = []
-        while k and f is not None and r is not None:  # no recency block left: eviction takes 36 anyway
-            if first(tick - f.last_used, tick - r.last_used):
-                demote.append(f)
-                f = next(frequency, None)
-            else:
-                r = next(recency, None)
-            k -= 1
+        for f in index.front(FREQUENCY_PRIORITY):
+            if f.adaptive_class < 0:
+                continue
+            a_f = tick - f.last_used
+            n = a_f.bit_length()
+            b = 2 * n - 1 + ((a_f >> (n - 2)) & 1) if n > 1 else a_f
+            pf = p_frequency[b if b < last else last]
+            if pf > pr or (pf == pr and a_f <= a_r):
+                break
+            demote.append(f)
+            if len(demote) == k:
+                break
+        if not demote:
+            return
         adaptive.life_demotions += len(demote)
-        for b in demote:
-            if b.duration is not None:
-                b.duration = None
-                b.expiry_version += 1
-            index.rekey(b, DEMOTED_PRIORITY)
-            self._events.emit(Updated(block_hash=b.hash, priority=PriorityDiff(old=FREQUENCY_PRIORITY,
+        for f in demote:
+            if f.duration is not None:
+                f.duration = None
+                f.expiry_version += 1
+            index.rekey(f, DEMOTED_PRIORITY)
+            self._events.emit(Updated(block_hash=f.hash, priority=PriorityDiff(old=FREQUENCY_PRIORITY,
                                                                                new=DEMOTED_PRIORITY)))
 
     def _take_gpu_slot(self) -> int:

@@ -17,6 +17,10 @@ over all (``ratios.adaptive_vs_lru_hit_rate_min``, ``..._vs_arc_...``, goals ≥
 4,000 blocks on the trace (issue 18). A PNG of hit rate against capacity per workload goes to
 ``plot_dir``.
 
+Part 2b, the same on more traffic (``robustness``): each family's second draw (seed + 100) and
+the trace cut in thirds, each replayed from a cold cache (LRU, adaptive, ARC); their minima are
+reported (``ratios.robustness_adaptive_vs_{lru,arc}_hit_rate_min``) without a goal.
+
 Part 3, the adaptive policy's cost: the main trace replayed at 4,000 blocks with the adaptive
 policy and with plain priority eviction (each request's first block pinned by a client config),
 interleaved: ``ratios.adaptive_cost_vs_priority`` (goal ≤ 1.5).
@@ -171,10 +175,12 @@ def run_lookups_lru(mgr: LruBlockManager, prompts: Sequence[Prompt]) -> int:
 def bench_kv(*, num_blocks: int = 100_000, requests: int = 30_000, repeats: int = 5,
              capacities: Sequence[int] = (1000, 4000, 16000), trace_limit: int | None = None,
              trace_path: str | None = None, families: Sequence[str] = FAMILIES, family_requests: int = 6000,
-             plot_dir: Path | None = None, say: Callable[[str], None] = lambda _m: None) -> BenchResult:
+             plot_dir: Path | None = None, robustness: bool = True,
+             say: Callable[[str], None] = lambda _m: None) -> BenchResult:
     """See the module docstring; ``trace_path``: a trace in the Mooncake format (default: the
     conversation trace, ``kvflow.traces.default_trace_path``); ``families``: generated workloads
-    (``kvflow.sim.workloads.GENERATORS``) replayed beside it; ``plot_dir``: where the PNG goes."""
+    (``kvflow.sim.workloads.GENERATORS``) replayed beside it; ``plot_dir``: where the PNG goes;
+    ``robustness``: also the second draw of each family and the trace in thirds (Part 2b)."""
     res = BenchResult("kv")
     say(f"building a stream of {requests:,} requests …")
     prompts = synthetic_stream(requests)
@@ -249,6 +255,9 @@ def bench_kv(*, num_blocks: int = 100_000, requests: int = 30_000, repeats: int 
     res.ratios["adaptive_vs_arc_hit_rate_min"] = arc_min
     res.goals["adaptive_vs_lru_hit_rate_min"] = ">= 1"
     res.goals["adaptive_vs_arc_hit_rate_min"] = ">= 1"
+    if robustness:
+        say("the same on more traffic: each family's second draw and the trace in thirds (LRU, adaptive, ARC) …")
+        _robustness_into(res, traces["trace"], families, family_requests, capacities)
     if 4000 in capacities:
         res.goals["adaptive_vs_lru_hit_rate_4000"] = ">= 1.4"
 
@@ -264,6 +273,53 @@ def bench_kv(*, num_blocks: int = 100_000, requests: int = 30_000, repeats: int 
 
 
 POLICIES = ("lru", "adaptive", "arc", "s3fifo", "belady")
+#: The second draw of a family: its default seed plus this (a set the goals' cells do not include).
+SECOND_DRAW = 100
+
+
+def robustness_sets(trace: Sequence[TraceRequest], families: Sequence[str],
+                    family_requests: int) -> dict[str, list[TraceRequest]]:
+    """More traffic than the goals' cells: each family's second draw (seed + ``SECOND_DRAW``) and
+    the trace cut in thirds (each replayed from a cold cache, as a shorter trace would be)."""
+    import inspect
+
+    from kvflow.sim.workloads import GENERATORS, as_trace
+
+    out: dict[str, list[TraceRequest]] = {}
+    for name in families:
+        gen = GENERATORS[name]
+        seed = inspect.signature(gen).parameters["seed"].default + SECOND_DRAW
+        out[f"{name}_second_draw"] = as_trace(gen(family_requests, seed=seed))
+    third = -(-len(trace) // 3)
+    for i in range(3):
+        part = list(trace[i * third:(i + 1) * third])
+        if part:
+            out[f"trace_third_{i + 1}"] = part
+    return out
+
+
+def _robustness_into(res: BenchResult, trace: Sequence[TraceRequest], families: Sequence[str],
+                     family_requests: int, capacities: Sequence[int]) -> None:
+    """Part 2b: adaptive / LRU and adaptive / ARC on :func:`robustness_sets`, their minima as
+    ``ratios.robustness_adaptive_vs_{lru,arc}_hit_rate_min`` (reported, no goal) and every cell
+    in ``details.robustness``."""
+    cells: dict[str, dict[str, list[float]]] = {}
+    lru_min = arc_min = float("inf")
+    for name, t in robustness_sets(trace, families, family_requests).items():
+        prompts, ids = trace_prompts(t), hash_id_lists(t)
+        row: dict[str, list[float]] = {"lru": [], "adaptive": [], "arc": []}
+        for cap in capacities:
+            lru = replay_core(t, prompts, cap).hit_rate
+            ad = replay_core(t, prompts, cap, adaptive=AdaptivePolicy()).hit_rate
+            arc = arc_hit_rate(ids, cap).hit_rate
+            row["lru"].append(lru)
+            row["adaptive"].append(ad)
+            row["arc"].append(arc)
+            lru_min, arc_min = min(lru_min, _ratio(ad, lru)), min(arc_min, _ratio(ad, arc))
+        cells[name] = row
+    res.ratios["robustness_adaptive_vs_lru_hit_rate_min"] = lru_min
+    res.ratios["robustness_adaptive_vs_arc_hit_rate_min"] = arc_min
+    res.details["robustness"] = cells
 
 
 def _adaptive_cost(res: BenchResult, main: Sequence[TraceRequest], cap: int, repeats: int) -> None:

@@ -100,3 +100,10 @@ def test_bench_kv_replays_a_trace_given_by_the_user(tmp_path):
     result = json.loads(out.read_text())
     assert result["details"]["trace"] == str(trace) and result["details"]["trace_requests"] == 300
     assert 0 < result["baseline"]["lru_hit_rate_400"] <= result["baseline"]["belady_hit_rate_400"] <= 1
+    # More traffic, reported: the families' second draw and the user's trace in thirds.
+    robust = result["details"]["robustness"]
+    assert set(robust) == {"multi_turn_second_draw", "scan_second_draw", "trace_third_1", "trace_third_2",
+                           "trace_third_3"}
+    worst = min(a / b if b else 1.0 for row in robust.values()
+                for a, b in zip(row["adaptive"], row["lru"], strict=True))
+    assert result["ratios"]["robustness_adaptive_vs_lru_hit_rate_min"] == pytest.approx(worst)

@@ -360,13 +360,13 @@ def test_the_core_feeds_the_life_tables_hits_ends_and_the_evictable_blocks_of_ea
     use(b)  # tick 2: b at 35
     assert sum(c[0] for c in life.counts) == 2 and sum(c[1] for c in life.counts) == 0
     use(a)  # a reused 1 release after its last use: a hit of the recency band at age 1, then 36
-    assert life._hits[RECENCY_BAND][age_bucket(1)] == 1.0
+    assert life.hits[RECENCY_BAND][age_bucket(1)] == 1.0
     assert [sum(c[band] for c in life.counts) for band in (0, 1)] == [1, 1]
     use(a)  # reused again at age 0, in the frequency band
-    assert life._hits[FREQUENCY_BAND][age_bucket(0)] == 1.0
+    assert life.hits[FREQUENCY_BAND][age_bucket(0)] == 1.0
     for i in range(3):  # three new blocks (ticks 5, 6, 7) in 4 slots: the third evicts one
         use(prompt(toks(500 + 10 * i)))
-    ends = life._ends
+    ends = life.ends
     # Before the tables' first estimate every age rates the same: the older of the two oldest goes
     # (b, last used at tick 2, against a at tick 4), an end of the recency band at age 6 - 2.
     assert sum(ends[RECENCY_BAND]) + sum(ends[FREQUENCY_BAND]) == 1.0
@@ -464,13 +464,12 @@ def test_with_the_life_tables_demoting_the_event_stream_still_replays_to_the_cac
         assert replayed.blocks == NodeState.from_snapshot_blocks(truth)
         if not learned.bands:  # the revoke returned demoted blocks to 35 as well, and none is demoted since
             assert all(b.priority != DEMOTED_PRIORITY for b in truth)
-        # The tables' alive counts stay exactly the policy's evictable blocks of each band.
+        # The tables' alive counts stay exactly the evictable blocks of each band (a client's too).
         assert learned.life is not None
         counted = [sum(c[band] for c in learned.life.counts) for band in (0, 1)]
         evictable = [0, 0]
         for blk in mgr._pool.cached.values():
-            if blk.adaptive_class >= 0 and not blk.ref and blk.priority in (RECENCY_PRIORITY, FREQUENCY_PRIORITY,
-                                                                          DEMOTED_PRIORITY):
+            if not blk.ref and blk.priority in (RECENCY_PRIORITY, FREQUENCY_PRIORITY, DEMOTED_PRIORITY):
                 evictable[blk.priority != RECENCY_PRIORITY] += 1
         assert counted == evictable
     assert demoted > 0 and learned.switches > 0

@@ -17,6 +17,8 @@ from inference_node.kv.lifetables import (
     age_bucket,
 )
 
+BANDS = [-1] * 34 + [1, 0, 1] + [-1] * 64  # 34, 35, 36 as the adaptive policy maps them
+
 
 def test_age_buckets_are_half_octaves():
     assert [age_bucket(a) for a in (-3, 0, 1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 15, 16)] == \
@@ -25,7 +27,7 @@ def test_age_buckets_are_half_octaves():
 
 
 def test_the_estimate_is_the_share_of_blocks_reaching_an_age_that_were_used_again_at_it_or_later():
-    t = LifeTables(prior_blocks=0.0, half_events=10**9, cohort_ticks=1)
+    t = LifeTables(prior_blocks=0.0, half_events=10**9, cohort_ticks=1, band_of=BANDS)
     for _ in range(3):
         t.used(RECENCY_BAND, 10, 0)  # three hits at age 10 ...
     t.evicted(RECENCY_BAND, 100, 0)  # ... one block evicted at age 100 ...
@@ -42,7 +44,7 @@ def test_the_estimate_is_the_share_of_blocks_reaching_an_age_that_were_used_agai
 
 
 def test_an_age_with_little_evidence_inherits_the_estimate_of_the_younger_ages():
-    t = LifeTables(prior_blocks=4.0, half_events=10**9, cohort_ticks=1)
+    t = LifeTables(prior_blocks=4.0, half_events=10**9, cohort_ticks=1, band_of=BANDS)
     for _ in range(4):
         t.used(FREQUENCY_BAND, 2, 0)  # bucket 3
     t.evicted(FREQUENCY_BAND, 2, 0)
@@ -58,17 +60,17 @@ def test_an_age_with_little_evidence_inherits_the_estimate_of_the_younger_ages()
 
 
 def test_counts_fade_by_half_every_so_many_events():
-    t = LifeTables(prior_blocks=0.0, half_events=4, cohort_ticks=1)
+    t = LifeTables(prior_blocks=0.0, half_events=4, cohort_ticks=1, band_of=BANDS)
     for _ in range(3):
         t.used(RECENCY_BAND, 1, 0)
-    assert t._hits[RECENCY_BAND][1] == 3.0
+    assert t.hits[RECENCY_BAND][1] == 3.0
     t.evicted(FREQUENCY_BAND, 1, 0)  # the 4th event: everything halves
-    assert t._hits[RECENCY_BAND][1] == 1.5 and t._ends[FREQUENCY_BAND][1] == 0.5
+    assert t.hits[RECENCY_BAND][1] == 1.5 and t.ends[FREQUENCY_BAND][1] == 0.5
 
 
 def test_cohorts_count_the_evictable_blocks_and_merge_as_they_age_without_losing_any():
     rng = random.Random(7)
-    t = LifeTables(prior_blocks=800.0, half_events=4096, cohort_ticks=4)
+    t = LifeTables(prior_blocks=800.0, half_events=4096, cohort_ticks=4, band_of=BANDS)
     alive: list[tuple[int, int]] = []  # (band, last_used) of each evictable block
     tick = 0
     for _ in range(3000):
@@ -101,7 +103,7 @@ def test_cohorts_count_the_evictable_blocks_and_merge_as_they_age_without_losing
 
 
 def test_the_older_block_goes_first_on_a_tie_and_the_lower_estimate_goes_first_otherwise():
-    t = LifeTables(prior_blocks=0.0, half_events=10**9, cohort_ticks=1)
+    t = LifeTables(prior_blocks=0.0, half_events=10**9, cohort_ticks=1, band_of=BANDS)
     assert t.frequency_first(100, 10) and not t.frequency_first(10, 100)  # no estimates yet: as LRU
     t.p[FREQUENCY_BAND] = [0.2] * NUM_BUCKETS
     t.p[RECENCY_BAND] = [0.3] * NUM_BUCKETS
@@ -111,3 +113,41 @@ def test_the_older_block_goes_first_on_a_tie_and_the_lower_estimate_goes_first_o
     described = t.describe(50, (10,))
     assert described["p"] == {"10": {"recency": 0.3, "frequency": 0.4}}
     assert described["alive"] == {"recency": 0, "frequency": 0}
+
+
+def test_each_bucket_holds_the_ages_its_lower_bounds_say():
+    from inference_node.kv.lifetables import _AGE_LO
+
+    rng = random.Random(3)
+    for a in [*range(5000), *(rng.randrange(1 << 40) for _ in range(5000))]:
+        k = age_bucket(a)
+        assert _AGE_LO[k] <= a and (k == NUM_BUCKETS - 1 or a < _AGE_LO[k + 1])
+
+
+def test_victims_counted_in_runs_give_the_same_tables_as_one_by_one():
+    from inference_node.kv.block import Block
+
+    rng = random.Random(11)
+    for _ in range(20):
+        batched = LifeTables(prior_blocks=0.0, half_events=10**9, cohort_ticks=8, band_of=BANDS)
+        single = LifeTables(prior_blocks=0.0, half_events=10**9, cohort_ticks=8, band_of=BANDS)
+        tick = 0
+        for t in (batched, single):
+            t.arrive(10**6, 10**6, 1)  # plenty alive in one cohort; more cohorts below
+        victims = []
+        for _ in range(rng.randint(1, 60)):
+            tick += rng.randint(1, 40)
+            for t in (batched, single):
+                t.arrive(1, 1, tick)
+            b = Block(0, 0)
+            b.priority = rng.choice((34, 35, 36, 5, 100))
+            b.last_used, b.adaptive_class = tick, rng.choice((0, 68, -1))
+            victims.append(b)
+        victims.sort(key=lambda b: (b.priority != 35, b.last_used))  # runs of one band, oldest first
+        now = tick + rng.randint(0, 5000)
+        batched.blocks_evicted(victims, now)
+        for b in victims:
+            band = BANDS[b.priority]
+            if band >= 0:
+                single.evicted(band, now - b.last_used, b.last_used)
+        assert batched.ends == single.ends and batched.counts == single.counts
