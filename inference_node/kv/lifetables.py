@@ -19,8 +19,8 @@ ages below it (``P(-1) = 1``). The counts of hits and ends are halved every ``ha
 them (old behaviour fades).
 
 The core asks :meth:`LifeTables.frequency_first` when it must evict: the oldest frequency block
-goes before the oldest recency block when its ``P`` is lower (on a tie, the older one goes first,
-as in LRU). Where frequency pays (a system prompt reused every few minutes, popular documents,
+goes before the oldest recency block when its ``P`` is lower (on a tie — estimates within ``TIE``
+of each other — the older one goes first, as in LRU). Where frequency pays (a system prompt reused every few minutes, popular documents,
 users coming back after a scan) old frequency blocks keep a high ``P`` and stay; where it does not
 (a phase of traffic that ended, a conversation that will not return) they fall below the
 recency band's and go first, as LRU would take them.
@@ -52,6 +52,11 @@ FREQUENCY_BAND = 1
 NUM_BUCKETS = 64
 #: A cohort merges into the next older one while their joint span is under this x its age.
 MERGE = 0.25
+#: Estimates within this share of each other are a tie, and a tie goes as in LRU (the older block
+#: first): where the tables cannot tell the bands apart the cache keeps LRU's order rather than
+#: follow noise (docs/benchmarks.md, "Life tables": 0.05 and 0.1 gave the same minima, 0.2 less).
+TIE = 0.05
+TIE_ABOVE, TIE_BELOW = 1.0 + TIE, 1.0 - TIE
 #: What an evicted or still evictable block counts for among the blocks that reached an age: it was
 #: not used again *so far* (censored: evicted, it might have been used had it stayed; alive, it may
 #: be), so it counts as half a block that was not (docs/benchmarks.md, "Life tables": 1 or 0.25
@@ -129,36 +134,29 @@ class LifeTables:
     def blocks_used(self, blocks: Iterable[Block], tick: int) -> None:
         """:meth:`used` for each block of a lookup that was evictable (now in use by it alone) and
         in a band, at release tick ``tick``."""
-        band_of, hits, starts, counts = self.band_of, self.hits, self.starts, self.counts
-        n = 0
-        for b in blocks:
-            if b.ref == 1:
-                band = band_of[b.priority]
-                if band >= 0:
-                    lu = b.last_used
-                    a = tick - lu
-                    m = a.bit_length()
-                    k = 2 * m - 1 + ((a >> (m - 2)) & 1) if m > 1 else a  # age_bucket(a), inlined
-                    hits[band][k if k < _LAST else _LAST] += 1.0
-                    i = bisect_right(starts, lu) - 1
-                    if i >= 0:
-                        counts[i][band] -= 1
-                    n += 1
-        if n:
-            self._counted(n)
+        self._count(blocks, tick, self.hits, taken=True)
 
     def blocks_evicted(self, blocks: Iterable[Block], tick: int) -> None:
-        """:meth:`evicted` for each evicted block in a band, at release tick ``tick``.
+        """:meth:`evicted` for each evicted block in a band, at release tick ``tick``."""
+        self._count(blocks, tick, self.ends, taken=False)
 
-        NOTE: victims come oldest first, mostly in runs of one band whose ages share a bucket and
-        whose ``last_used`` share a cohort: such a run is counted at once (the first block of it
-        finds the bucket and the cohort, and the range of ``last_used`` that shares both), which
-        halved this method's time on ``kvflow bench kv``'s replay against one bisection and one
-        bucket per block. The counts are the same."""
-        band_of, ends, starts, counts = self.band_of, self.ends, self.starts, self.counts
+    def _count(self, blocks: Iterable[Block], tick: int, table: list[list[float]], taken: bool) -> None:
+        """A hit (``table`` :attr:`hits`) or an end (:attr:`ends`) at its age for each block in a
+        band (``taken``: only those now in use by one request, i.e. evictable before), each of
+        which leaves the evictable set.
+
+        NOTE: blocks come in runs of one band whose ages share a bucket and whose ``last_used``
+        share a cohort (victims oldest first; a prompt's cached prefix, released together): such
+        a run is counted at once (its first block finds the bucket, the cohort, and the range of
+        ``last_used`` sharing both), which halved the time of the victims' accounting on
+        ``kvflow bench kv``'s replay against a bisection and a bucket per block. The counts are
+        the same."""
+        band_of, starts, counts = self.band_of, self.starts, self.counts
         total = run = 0
         band = k = i = lo = hi = -1
         for b in blocks:
+            if taken and b.ref != 1:
+                continue
             bb = band_of[b.priority]
             if bb < 0:
                 continue
@@ -167,7 +165,7 @@ class LifeTables:
                 run += 1
                 continue
             if run:
-                ends[band][k] += run
+                table[band][k] += run
                 if i >= 0:
                     counts[i][band] -= run
                 total += run
@@ -178,7 +176,7 @@ class LifeTables:
             if k > _LAST:
                 k = _LAST
             i = bisect_right(starts, lu) - 1
-            # last_used with the same bucket: ages AGE_LO[k] .. AGE_LO[k + 1] - 1; the same cohort
+            # last_used with the same bucket: ages _AGE_LO[k] .. _AGE_LO[k + 1] - 1; the same cohort
             lo = tick - _AGE_LO[k + 1] + 1
             hi = tick - _AGE_LO[k] + 1
             if i >= 0 and starts[i] > lo:
@@ -186,7 +184,7 @@ class LifeTables:
             if i + 1 < len(starts) and starts[i + 1] < hi:
                 hi = starts[i + 1]
         if run:
-            ends[band][k] += run
+            table[band][k] += run
             if i >= 0:
                 counts[i][band] -= run
             total += run
@@ -292,10 +290,11 @@ class LifeTables:
 
     def frequency_first(self, frequency_age: int, recency_age: int) -> bool:
         """Whether the oldest frequency block (``frequency_age``) goes before the oldest recency
-        block (``recency_age``): its P is lower, or equal and it is older."""
+        block (``recency_age``): its P is lower beyond a tie (``TIE``), or within a tie and it is
+        older (as in LRU)."""
         pf = self.p[FREQUENCY_BAND][age_bucket(frequency_age)]
         pr = self.p[RECENCY_BAND][age_bucket(recency_age)]
-        return pf < pr or (pf == pr and frequency_age > recency_age)
+        return pf < pr * TIE_BELOW or (pf <= pr * TIE_ABOVE and frequency_age > recency_age)
 
     def describe(self, tick: int, ages: Sequence[int]) -> dict[str, object]:
         """P per band at some ages, and the evictable blocks per band (for the node's stats)."""

@@ -33,7 +33,7 @@ from inference_node.kv.block import GPU, HOST, IN_LIST, NOT_EVICTABLE, Block
 from inference_node.kv.clock import Clock
 from inference_node.kv.events import EventLog
 from inference_node.kv.eviction import EvictionIndex
-from inference_node.kv.lifetables import NUM_BUCKETS
+from inference_node.kv.lifetables import NUM_BUCKETS, TIE_ABOVE, TIE_BELOW
 from inference_node.kv.prompt import Prompt
 from inference_node.kv.types import BlockCopy, KvCacheConfig, KvStats, OutOfBlocks
 
@@ -425,7 +425,7 @@ class BlockPool:
         """The adaptive policy's life tables before ``k`` evictions: the frequency band's oldest
         evictable blocks that the tables rate lower than the recency band's oldest
         (:meth:`~inference_node.kv.lifetables.LifeTables.frequency_first`: less likely to be used
-        again at their age, or as likely and older), up to the victims that the junk band (and
+        again at their age, or about as likely and older), up to the victims that the junk band (and
         blocks demoted before) do not provide, go to ``DEMOTED_PRIORITY`` (``updated`` for each;
         a duration they had ends), where eviction takes them before the recency band. A client's
         block at 36 is the client's: never demoted."""
@@ -455,7 +455,7 @@ class BlockPool:
             n = a_f.bit_length()
             b = 2 * n - 1 + ((a_f >> (n - 2)) & 1) if n > 1 else a_f
             pf = p_frequency[b if b < last else last]
-            if pf > pr or (pf == pr and a_f <= a_r):
+            if pf > pr * TIE_ABOVE or (pf >= pr * TIE_BELOW and a_f <= a_r):
                 break
             demote.append(f)
             if len(demote) == k:
