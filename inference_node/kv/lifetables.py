@@ -20,10 +20,10 @@ them (old behaviour fades).
 
 The core asks :meth:`LifeTables.frequency_first` when it must evict: the oldest frequency block
 goes before the oldest recency block when its ``P`` is lower (on a tie — estimates within ``TIE``
-of each other — the older one goes first, as in LRU). Where frequency pays (a system prompt reused every few minutes, popular documents,
-users coming back after a scan) old frequency blocks keep a high ``P`` and stay; where it does not
-(a phase of traffic that ended, a conversation that will not return) they fall below the
-recency band's and go first, as LRU would take them.
+of each other — the older one goes first, as in LRU). Where frequency pays (a system prompt
+reused every few minutes, popular documents, users coming back after a scan) old frequency blocks
+keep a high ``P`` and stay; where it does not (a phase of traffic that ended, a conversation that
+will not return) they fall below the recency band's and go first, as LRU would take them.
 
 Alive blocks are counted in *cohorts* of release ticks (``starts``: the first tick of each, oldest
 first) whose spans grow with their age (merged when a cohort spans less than ``MERGE`` x its age),
