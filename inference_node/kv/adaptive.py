@@ -241,7 +241,7 @@ class AdaptiveLearner:
         #: The bands are on; off: no frequency band (LRU, with the junk band).
         self.bands = True
         #: The shadows: LRU (run while the bands are on) and the bands' (run while they are off).
-        self._lru = LruShadow(self.shadow_capacity)
+        self._lru = LruShadow(self.shadow_capacity, timed=policy.frequency_horizons > 0)
         self._shadow = BandsShadow(self.shadow_capacity, max(1, round(self.ghost_capacity * rate)))
         self._lead = 0.0  # moving average of own minus LRU's (bands on), bands' minus own (off) sampled hits
         self._sampled = 0.0  # moving average of sampled blocks per lookup
@@ -477,11 +477,15 @@ class AdaptiveLearner:
         if old_band != new_band:
             life.move(old_band, new_band, b.last_used)
 
-    def on_evict(self, blocks: Sequence[Block], tick: int = 0) -> None:
+    def on_evict(self, blocks: Sequence[Block], tick: int = 0, runs: Sequence[Sequence[Block]] | None = None) -> None:
         """``blocks`` leave the cache (digests still set) at release tick ``tick``: remember each
-        as a ghost (and, with the life tables, an end at its age)."""
+        as a ghost (and, with the life tables, an end at its age). ``runs``: the same blocks as
+        the eviction index handed them out (``EvictionIndex.take``), which the tables count faster."""
         if self.life is not None:
-            self.life.blocks_evicted(blocks, tick)
+            if runs is not None:
+                self.life.runs_evicted(runs, tick)
+            else:
+                self.life.blocks_evicted(blocks, tick)
         ghosts = self._ghosts
         if self._soon:
             for b in blocks:

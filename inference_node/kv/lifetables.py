@@ -36,7 +36,7 @@ Pure and deterministic (no clock, no I/O): the core passes its release tick.
 
 from __future__ import annotations
 
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Sequence
 from itertools import accumulate
 from typing import TYPE_CHECKING
@@ -139,6 +139,55 @@ class LifeTables:
     def blocks_evicted(self, blocks: Iterable[Block], tick: int) -> None:
         """:meth:`evicted` for each evicted block in a band, at release tick ``tick``."""
         self._count(blocks, tick, self.ends, taken=False)
+
+    def runs_evicted(self, runs: Iterable[Sequence[Block]], tick: int) -> None:
+        """:meth:`blocks_evicted` for the runs the eviction index handed out, each sorted by
+        priority, then ``last_used`` (``EvictionIndex.take``).
+
+        NOTE: a run of one priority is split at the cohorts' starts and the buckets' bounds by
+        bisection over its ``last_used`` (one list made per run, no Python work per block): on
+        ``kvflow bench kv``'s replay the victims' accounting cost a third of what a loop over
+        them did. The counts are the same."""
+        band_of, ends, starts, counts = self.band_of, self.ends, self.starts, self.counts
+        total = 0
+        n_starts = len(starts)
+        for run in runs:
+            p = run[0].priority
+            if p != run[-1].priority:  # from a heap: several priorities
+                self._count(run, tick, ends, taken=False)
+                continue
+            band = band_of[p]
+            if band < 0:
+                continue
+            row = ends[band]
+            lus = [b.last_used for b in run]
+            n = len(lus)
+            total += n
+            # cohorts: those of the oldest and the newest block, and every one between
+            pos = 0
+            i = bisect_right(starts, lus[0]) - 1
+            last_i = bisect_right(starts, lus[-1]) - 1
+            while pos < n:
+                if i + 1 < n_starts and i < last_i:
+                    q = bisect_left(lus, starts[i + 1], pos)
+                else:
+                    q = n
+                if i >= 0:
+                    counts[i][band] -= q - pos
+                pos, i = q, i + 1
+            # age buckets, from the oldest block's down: bucket k holds last_used up to tick - _AGE_LO[k]
+            a = tick - lus[0]
+            m = a.bit_length()
+            k = 2 * m - 1 + ((a >> (m - 2)) & 1) if m > 1 else a  # age_bucket(a), inlined
+            if k > _LAST:
+                k = _LAST
+            pos = 0
+            while pos < n:
+                q = bisect_right(lus, tick - _AGE_LO[k], pos)
+                row[k] += q - pos
+                pos, k = q, k - 1
+        if total:
+            self._counted(total)
 
     def _count(self, blocks: Iterable[Block], tick: int, table: list[list[float]], taken: bool) -> None:
         """A hit (``table`` :attr:`hits`) or an end (:attr:`ends`) at its age for each block in a

@@ -304,7 +304,8 @@ class KVCacheManager:
         adaptive = self._adaptive
         if adaptive is not None:
             adaptive.on_lookup(digests, len(blocks), self.clock(), self._pool.tick)
-            adaptive.taken(blocks)  # before a revoke: they left their bands as they were
+            if blocks:
+                adaptive.taken(blocks)  # before a revoke: they left their bands as they were
             if adaptive.revoke_due:
                 adaptive.revoke_due = False
                 self._pool.revoke_adaptive()

@@ -397,6 +397,7 @@ class BlockPool:
         hashes: list[BlockHash] = []
         append_hash = hashes.append
         victims: list[Block] = []  # for the adaptive policy, in one call (their digests still set)
+        runs: list[list[Block]] = []
         try:
             while k:
                 run = index.take(k)
@@ -414,9 +415,10 @@ class BlockPool:
                 evictions[p] = evictions.get(p, 0) + n
                 k -= n
                 victims += run
+                runs.append(run)
         finally:
             if adaptive is not None and victims:
-                adaptive.on_evict(victims, self._tick)
+                adaptive.on_evict(victims, self._tick, runs)
             for b in victims:
                 b.digest = None  # its expiry entries are stale for good
             self._events.removed(hashes, close=True)

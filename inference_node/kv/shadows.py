@@ -9,13 +9,15 @@ from collections.abc import Sequence
 
 
 class LruShadow:
-    """Plain LRU on block keys, for the guard."""
+    """Plain LRU on block keys, for the guard. ``timed``: it also keeps each key's last use, for
+    :attr:`horizon` (the adaptive policy's ``frequency_horizons`` reads it; off, nothing reads it)."""
 
-    __slots__ = ("capacity", "horizon", "keys", "now")
+    __slots__ = ("capacity", "horizon", "keys", "now", "timed")
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, timed: bool = True) -> None:
         self.capacity = capacity
-        self.keys: OrderedDict[bytes, float] = OrderedDict()  # key -> last use
+        self.timed = timed
+        self.keys: OrderedDict[bytes, float] = OrderedDict()  # key -> last use (0 untimed)
         #: The time of the lookup being replayed, and how long ago the oldest entry was used.
         self.now = 0.0
         self.horizon = 0.0
@@ -23,21 +25,24 @@ class LruShadow:
     def replay(self, keys: Sequence[bytes]) -> int:
         """One lookup of ``keys`` (a prompt's sampled blocks, in order): its prefix hits."""
         cached = self.keys
+        now = self.now if self.timed else 0.0
         hits = 0
         hit = True
         for d in keys:
             if hit and d in cached:
                 hits += 1
                 cached.move_to_end(d)
-                cached[d] = self.now
+                if now:
+                    cached[d] = now
             else:
                 hit = False
-                cached[d] = self.now
+                cached[d] = now
         excess = len(cached) - self.capacity
         if excess > 0:
             for _ in range(excess):
                 cached.popitem(last=False)
-            self.horizon = self.now - next(iter(cached.values()))
+            if self.timed:
+                self.horizon = self.now - next(iter(cached.values()))
         return hits
 
 
