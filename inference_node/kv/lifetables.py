@@ -168,10 +168,7 @@ class LifeTables:
             i = bisect_right(starts, lus[0]) - 1
             last_i = bisect_right(starts, lus[-1]) - 1
             while pos < n:
-                if i + 1 < n_starts and i < last_i:
-                    q = bisect_left(lus, starts[i + 1], pos)
-                else:
-                    q = n
+                q = bisect_left(lus, starts[i + 1], pos) if i + 1 < n_starts and i < last_i else n
                 if i >= 0:
                     counts[i][band] -= q - pos
                 pos, i = q, i + 1
