@@ -124,7 +124,7 @@ def test_each_bucket_holds_the_ages_its_lower_bounds_say():
         assert _AGE_LO[k] <= a and (k == NUM_BUCKETS - 1 or a < _AGE_LO[k + 1])
 
 
-def test_victims_counted_in_runs_give_the_same_tables_as_one_by_one():  # noqa: C901
+def test_victims_counted_in_runs_give_the_same_tables_as_one_by_one():
     from inference_node.kv.block import Block
 
     rng = random.Random(11)
