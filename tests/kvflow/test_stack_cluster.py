@@ -94,12 +94,15 @@ def test_three_brokers_come_up_with_replicated_topics_and_status_shows_each(clus
     # `kvflow topics ensure` with its defaults: 3 replicas on a cluster of three (1 on one broker).
     own = KafkaSettings(bootstrap=cluster.kafka.address, events_topic=f"ev-auto-{time.time_ns()}")
     assert own.replication_factor == 0 and own.events_topic in ensure_topics(own)
-    # ensure_topics waited until the broker its client asks knew the topic; the broker this
-    # client asks may learn it a moment later (each broker follows the KRaft metadata log on its own)
-    wait_for(lambda: own.events_topic in admin.list_topics(timeout=10).topics, 10,
-             what="the new topic in the metadata of the broker asked")
-    md = admin.list_topics(timeout=10)
-    assert {len(p.replicas) for p in md.topics[own.events_topic].partitions.values()} == {3}
+    # ensure_topics waited until the broker its client asks knew the topic; the brokers this
+    # client asks may learn it a moment later (each broker follows the KRaft metadata log on its
+    # own, and librdkafka may send each metadata request to another broker): the check reads the
+    # replicas from the same answer that lists the topic.
+    def replica_counts() -> set[int] | None:
+        topic = admin.list_topics(timeout=10).topics.get(own.events_topic)
+        return {len(p.replicas) for p in topic.partitions.values()} if topic and topic.partitions else None
+
+    assert wait_for(replica_counts, 10, what="the new topic in the metadata of the broker asked") == {3}
 
 
 def _leader_of_busiest_partition(bootstrap: str, topic: str) -> int:
