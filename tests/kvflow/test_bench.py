@@ -107,3 +107,7 @@ def test_bench_kv_replays_a_trace_given_by_the_user(tmp_path):
     worst = min(a / b if b else 1.0 for row in robust.values()
                 for a, b in zip(row["adaptive"], row["lru"], strict=True))
     assert result["ratios"]["robustness_adaptive_vs_lru_hit_rate_min"] == pytest.approx(worst)
+    # The cost: a warm-up, then as many interleaved rounds as --quick's repeats (2), each round's ratio kept.
+    rounds = result["details"]["cost_round_ratios"]
+    assert len(rounds) == 2 and all(r > 0 for r in rounds)
+    assert min(rounds) <= result["ratios"]["adaptive_cost_vs_priority"] <= max(rounds)
