@@ -328,8 +328,7 @@ def _adaptive_cost(res: BenchResult, main: Sequence[TraceRequest], cap: int, rep
     warm-up round (with more than one round), then ``repeats`` rounds; each round's ratio goes to
     ``details.cost_round_ratios`` (on these machines the rounds of one run spread by ±15 %).
 
-    NOTE: two rounds without a warm-up until 2026-12-04; the first round then paid the allocator's
-    first growth for the baseline alone."""
+    NOTE: two rounds without a warm-up until 2026-12-04 (too few to tell the policy from the noise)."""
     prompts = trace_prompts(main)
 
     def replay_priority() -> None:
