@@ -1,7 +1,7 @@
 # One image for every kvflow Python service (migrate, materializer, router, inference nodes).
 # TORCH_INDEX_URL picks the torch build: CPU by default; the compose `gpu` profile builds with a
 # CUDA index instead.
-# The materializer's compiled hot path (native/, Rust): a wheel, built apart so that the image
+# kvflow's compiled hot paths (native/, Rust: the materializer's planner, the adaptive policy's tables): a wheel, built apart so that the image
 # carries no toolchain.
 FROM python:3.11-slim AS native
 RUN apt-get update \

@@ -81,15 +81,14 @@ blocks, where LRU would have hit them — a conversation's newest blocks, reused
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from eventbus.protocol import DEFAULT_PRIORITY
 from inference_node.kv.eviction import NUM_PRIORITIES
-from inference_node.kv.lifetables import FREQUENCY_BAND, RECENCY_BAND, LifeTables
-from inference_node.kv.shadows import BandsShadow, LruShadow
+from inference_node.kv.lifetables import FREQUENCY_BAND, RECENCY_BAND
+from inference_node.kv.shadows import CLASS_MASK, tables
 
 if TYPE_CHECKING:
     from inference_node.kv.block import Block
@@ -106,7 +105,6 @@ _REUSE_CLASSES = 4
 _DECODE_BASE = 64
 _REUSED_BASE = 68
 NUM_CLASSES = _REUSED_BASE + _REUSE_CLASSES
-_CLASS_MASK = 127  # a ghost's class in its low 7 bits
 #: A retention decision: priority, duration (None unless ``frequency_horizons`` is set), class.
 Retention = tuple[int, float | None, int]
 
@@ -190,6 +188,10 @@ class AdaptivePolicy:
     life_half_events: int = 4096
     #: Lookups between two computations of the tables' estimates.
     life_every: int = 16
+    #: Keep the ghosts, the guard's shadows and the life tables in the compiled tables of
+    #: ``kvflow_native`` when it is installed (the same decisions as the Python ones, call for
+    #: call; only faster: :mod:`inference_node.kv.shadows`).
+    compiled: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.junk_priority < DEMOTED_PRIORITY:
@@ -233,8 +235,9 @@ class AdaptiveLearner:
         self.sample_below = max(1, round(256 * rate))
         self.shadow_capacity = max(1, round(c * self.sample_below / 256))
         self._stats = [_ClassStats() for _ in range(NUM_CLASSES)]
+        ghost_fifo, lru_shadow, bands_shadow, life_tables = tables(policy.compiled)
         #: digest -> class, with soon_share also its last use: ``last_used << 7 | class``
-        self._ghosts: OrderedDict[bytes, int] = OrderedDict()
+        self._ghosts = ghost_fifo(self.ghost_capacity)
         self._soon = policy.soon_share > 0
         #: The pool's release tick at the last lookup, and the reuse distance (in ticks) that is "soon".
         self._tick = 0
@@ -242,8 +245,8 @@ class AdaptiveLearner:
         #: The bands are on; off: no frequency band (LRU, with the junk band).
         self.bands = True
         #: The shadows: LRU (run while the bands are on) and the bands' (run while they are off).
-        self._lru = LruShadow(self.shadow_capacity, timed=policy.frequency_horizons > 0)
-        self._shadow = BandsShadow(self.shadow_capacity, max(1, round(self.ghost_capacity * rate)))
+        self._lru = lru_shadow(self.shadow_capacity, timed=policy.frequency_horizons > 0)
+        self._shadow = bands_shadow(self.shadow_capacity, max(1, round(self.ghost_capacity * rate)))
         self._lead = 0.0  # moving average of own minus LRU's (bands on), bands' minus own (off) sampled hits
         self._sampled = 0.0  # moving average of sampled blocks per lookup
         self._lookups = 0
@@ -257,8 +260,9 @@ class AdaptiveLearner:
         #: The last looked-up prompt's blocks that were ghosts: index -> reuses it counts as.
         self._returning: dict[int, int] = {}
         #: The life tables (module docstring); None: off, or a cache with a host tier.
-        self.life = LifeTables(policy.life_prior_blocks, policy.life_half_events, max(1, c // 64),
-                               [_band(p) for p in range(NUM_PRIORITIES)]) if policy.life_tables and not tiered else None
+        self.life = life_tables(policy.life_prior_blocks, policy.life_half_events, max(1, c // 64),
+                                [_band(p) for p in range(NUM_PRIORITIES)]) \
+            if policy.life_tables and not tiered else None
         self._life_lookups = 0
         #: Frequency blocks the core lowered to ``DEMOTED_PRIORITY`` because of the tables.
         self.life_demotions = 0
@@ -269,9 +273,10 @@ class AdaptiveLearner:
         """The retention duration of a block stored or raised at ``prio``: ``frequency_horizons``
         x the LRU shadow's horizon for the frequency band (None: off, or no horizon yet)."""
         h = self.policy.frequency_horizons
-        if prio != FREQUENCY_PRIORITY or h <= 0 or self._lru.horizon <= 0:
+        horizon: float = self._lru.horizon
+        if prio != FREQUENCY_PRIORITY or h <= 0 or horizon <= 0:
             return None
-        return h * self._lru.horizon
+        return h * horizon
 
     def soon_probability(self, cls: int) -> float:
         """The share of the class's observations that were reuses within the cache's size."""
@@ -325,15 +330,10 @@ class AdaptiveLearner:
         """
         self._returning = returning = {}
         self._tick = tick
-        ghosts = self._ghosts
-        if ghosts:
-            pop = ghosts.pop
-            for i in range(matched, len(digests)):
-                ghost = pop(digests[i], None)
-                if ghost is not None:
-                    cls = ghost & _CLASS_MASK
-                    self._observe(cls, True, ghost >> 7 if self._soon else -1)
-                    returning[i] = min(cls - _REUSED_BASE + 2, 6) if cls >= _REUSED_BASE else 1
+        for i, ghost in self._ghosts.take(digests, matched):
+            cls = ghost & CLASS_MASK
+            self._observe(cls, True, ghost >> 7 if self._soon else -1)
+            returning[i] = min(cls - _REUSED_BASE + 2, 6) if cls >= _REUSED_BASE else 1
         self._lru.now = now
         self._shadows(digests, matched)
         life = self.life
@@ -344,12 +344,9 @@ class AdaptiveLearner:
                 life.compute(tick)
 
     def _shadows(self, digests: Sequence[bytes], matched: int) -> None:
-        below = self.sample_below
-        sampled = [d for d in digests if d[0] < below]
-        own = len([d for d in digests[:matched] if d[0] < below]) if matched else 0  # the cache's own prefix hits
-        n = len(sampled)
         bands = self.bands
-        other = (self._lru if bands else self._shadow).replay(sampled)
+        # n sampled digests, the cache's own prefix hits on them, the shadow's
+        n, own, other = (self._lru if bands else self._shadow).lookup(digests, matched, self.sample_below)
         if not n:
             return
         self._lookups += 1
@@ -487,28 +484,16 @@ class AdaptiveLearner:
                 self.life.runs_evicted(runs, tick)
             else:
                 self.life.blocks_evicted(blocks, tick)
-        ghosts = self._ghosts
-        if self._soon:
-            for b in blocks:
-                if b.adaptive_class >= 0:
-                    ghosts[b.digest] = b.last_used << 7 | b.adaptive_class  # type: ignore[index]
-        else:
-            ghosts.update([(b.digest, b.adaptive_class) for b in blocks if b.adaptive_class >= 0])  # type: ignore[misc]
-        excess = len(ghosts) - self.ghost_capacity
-        if excess > 0:  # never asked for again while remembered: not reused (_observe, per class)
-            pop = ghosts.popitem
-            left = [0] * NUM_CLASSES
-            for _ in range(excess):
-                left[pop(last=False)[1] & _CLASS_MASK] += 1
+        left = self._ghosts.add(blocks, self._soon)
+        if left:  # never asked for again while remembered: not reused (_observe, per class)
             decay = self.policy.decay
-            for cls, n in enumerate(left):
-                if n:  # n observations of "left unused" in a row: n decays, and the decayed ones
-                    s = self._stats[cls]
-                    d = decay ** n
-                    s.reused *= d
-                    s.soon *= d
-                    s.evicted = s.evicted * d + (n if decay == 1.0 else (1.0 - d) / (1.0 - decay))
-            self._dirty += excess
+            for cls, n in left:  # n observations of "left unused" in a row: n decays, and the decayed ones
+                s = self._stats[cls]
+                d = decay ** n
+                s.reused *= d
+                s.soon *= d
+                s.evicted = s.evicted * d + (n if decay == 1.0 else (1.0 - d) / (1.0 - decay))
+                self._dirty += n
 
     def describe(self) -> dict[str, object]:
         """The learned state, for the node's stats endpoint and the benchmarks."""

@@ -1,11 +1,113 @@
-"""The adaptive policy's guard shadows (:mod:`inference_node.kv.adaptive`): two small caches on
-sampled block keys, replayed beside the real one, so that the guard can compare its prefix hits
-with LRU's and with the bands'."""
+"""The adaptive policy's tables keyed by block digests (:mod:`inference_node.kv.adaptive`): its
+ghosts (evicted blocks it still remembers) and the guard's two shadows (small caches on sampled
+digests, replayed beside the real one, so that the guard can compare its prefix hits with LRU's
+and with the bands').
+
+These Python classes, and :class:`~inference_node.kv.lifetables.LifeTables`, are the reference.
+The optional ``kvflow_native`` extension (``native/``, Rust) has a compiled twin of each that
+decides exactly the same, call for call, with no Python work per key or per block
+(``tests/inference_node/kv/test_native_tables.py`` compares them); :func:`tables` hands out one
+set or the other.
+"""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from inference_node.kv.lifetables import LifeTables
+
+if TYPE_CHECKING:
+    from inference_node.kv.block import Block
+
+try:
+    import kvflow_native as _native
+except ImportError:  # pure Python
+    _native = None
+if _native is not None and not hasattr(_native, "LifeTables"):  # an older build of the extension
+    _native = None
+
+#: A ghost's class in the low 7 bits of its value (``inference_node.kv.adaptive._CLASS_MASK``).
+CLASS_MASK = 127
+
+
+def native_available() -> bool:
+    """Whether the compiled tables are installed (``pip install ./native``)."""
+    return _native is not None
+
+
+class Tables(NamedTuple):
+    """The classes of the adaptive policy's tables: one set, compiled or Python."""
+
+    ghosts: Any
+    lru: Any
+    bands: Any
+    life: Any
+
+
+def tables(compiled: bool) -> Tables:
+    """The compiled classes when ``compiled`` and they are installed, else the Python ones
+    (``GhostFifo``, ``LruShadow``, ``BandsShadow`` here and ``LifeTables``)."""
+    if compiled and _native is not None:
+        return Tables(_native.GhostFifo, _native.LruShadow, _native.BandsShadow, _native.LifeTables)
+    return Tables(GhostFifo, LruShadow, BandsShadow, LifeTables)
+
+
+def _sample(digests: Sequence[bytes], matched: int, below: int) -> tuple[list[bytes], int]:
+    """A lookup's sampled digests (first byte below ``below``), and how many of them are among the
+    first ``matched`` (the cache's own prefix hits on them)."""
+    sampled = [d for d in digests if d and d[0] < below]
+    own = len([d for d in digests[:matched] if d and d[0] < below]) if matched else 0
+    return sampled, own
+
+
+class GhostFifo:
+    """Evicted blocks' digests -> value (their adaptive class; with ``soon`` also their last use:
+    ``last_used << 7 | class``), oldest first, at most ``capacity``."""
+
+    __slots__ = ("capacity", "ghosts")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.ghosts: OrderedDict[bytes, int] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.ghosts)
+
+    def add(self, blocks: Sequence[Block], soon: bool) -> list[tuple[int, int]]:
+        """Remember the evicted ``blocks`` (digests still set) that have an adaptive class
+        (>= 0; a block remembered already keeps its place, with the new value), then forget the
+        oldest beyond the capacity: their classes, as (class, count) pairs by class."""
+        ghosts = self.ghosts
+        if soon:
+            for b in blocks:
+                if b.adaptive_class >= 0:
+                    ghosts[b.digest] = b.last_used << 7 | b.adaptive_class  # type: ignore[index]
+        else:
+            ghosts.update([(b.digest, b.adaptive_class) for b in blocks if b.adaptive_class >= 0])  # type: ignore[misc]
+        excess = len(ghosts) - self.capacity
+        if excess <= 0:
+            return []
+        pop = ghosts.popitem
+        left: dict[int, int] = {}
+        for _ in range(excess):
+            cls = pop(last=False)[1] & CLASS_MASK
+            left[cls] = left.get(cls, 0) + 1
+        return sorted(left.items())
+
+    def take(self, digests: Sequence[bytes], start: int) -> list[tuple[int, int]]:
+        """Forget the ghosts among ``digests[start:]``: (index, value) of each one that was there."""
+        ghosts = self.ghosts
+        if not ghosts:
+            return []
+        pop = ghosts.pop
+        out = []
+        for i in range(start, len(digests)):
+            v = pop(digests[i], None)
+            if v is not None:
+                out.append((i, v))
+        return out
 
 
 class LruShadow:
@@ -21,6 +123,9 @@ class LruShadow:
         #: The time of the lookup being replayed, and how long ago the oldest entry was used.
         self.now = 0.0
         self.horizon = 0.0
+
+    def __len__(self) -> int:
+        return len(self.keys)
 
     def replay(self, keys: Sequence[bytes]) -> int:
         """One lookup of ``keys`` (a prompt's sampled blocks, in order): its prefix hits."""
@@ -45,6 +150,13 @@ class LruShadow:
                 self.horizon = self.now - next(iter(cached.values()))
         return hits
 
+    def lookup(self, digests: Sequence[bytes], matched: int, below: int) -> tuple[int, int, int]:
+        """One lookup of a prompt's ``digests``, of which the cache had the first ``matched``: the
+        sampled ones (first byte below ``below``) are replayed. Returns (sampled, the cache's own
+        prefix hits among them, the shadow's)."""
+        sampled, own = _sample(digests, matched, below)
+        return len(sampled), own, self.replay(sampled)
+
 
 class BandsShadow:
     """The bands on block keys, for the guard: a probationary LRU list (seen once) evicted before
@@ -58,6 +170,14 @@ class BandsShadow:
         self.new: OrderedDict[bytes, None] = OrderedDict()
         self.old: OrderedDict[bytes, None] = OrderedDict()
         self.ghosts: OrderedDict[bytes, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        """Keys held in both lists."""
+        return len(self.new) + len(self.old)
+
+    @property
+    def num_ghosts(self) -> int:
+        return len(self.ghosts)
 
     def replay(self, keys: Sequence[bytes]) -> int:
         """One lookup of ``keys`` (a prompt's sampled blocks, in order): its prefix hits."""
@@ -86,3 +206,8 @@ class BandsShadow:
         for _ in range(excess if excess > 0 else 0):
             ghosts.popitem(last=False)
         return hits
+
+    def lookup(self, digests: Sequence[bytes], matched: int, below: int) -> tuple[int, int, int]:
+        """As :meth:`LruShadow.lookup`."""
+        sampled, own = _sample(digests, matched, below)
+        return len(sampled), own, self.replay(sampled)

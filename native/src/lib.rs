@@ -1,4 +1,6 @@
-//! kvflow's compiled materializer hot path (`kvflow_native`).
+//! kvflow's compiled hot paths (`kvflow_native`): the materializer's planner (here) and the
+//! adaptive eviction policy's tables (`adaptive.rs`: its ghosts and shadows; `lifetables.rs`: its
+//! life tables).
 //!
 //! `BlockStore` holds the `node_blocks` rows of the nodes one materializer worker owns, and plans
 //! the common take of event batches: events of known nodes, in sequence, that store, remove or
@@ -18,6 +20,9 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyType};
 use std::collections::HashMap;
+
+mod adaptive;
+mod lifetables;
 
 /// A `node_blocks` row without its key; times in PostgreSQL's microseconds since 2000-01-01.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -453,5 +458,9 @@ impl HashCheck {
 fn kvflow_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<BlockStore>()?;
     m.add_class::<HashCheck>()?;
+    m.add_class::<adaptive::GhostFifo>()?;
+    m.add_class::<adaptive::LruShadow>()?;
+    m.add_class::<adaptive::BandsShadow>()?;
+    m.add_class::<lifetables::LifeTables>()?;
     Ok(())
 }

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from inference_node.kv.shadows import native_available
 from tests.support import ROOT
 
 NAMED = {
@@ -111,3 +112,6 @@ def test_bench_kv_replays_a_trace_given_by_the_user(tmp_path):
     rounds = result["details"]["cost_round_ratios"]
     assert len(rounds) == 2 and all(r > 0 for r in rounds)
     assert min(rounds) <= result["ratios"]["adaptive_cost_vs_priority"] <= max(rounds)
+    # ... with the tables as installed; with the extension, the Python tables' cost beside it.
+    assert result["details"]["adaptive_tables"] == ("compiled" if native_available() else "python")
+    assert ("adaptive_python_cost_vs_priority" in result["ratios"]) == native_available()

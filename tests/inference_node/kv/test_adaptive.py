@@ -3,6 +3,7 @@ how its guard falls back to LRU and returns."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -21,6 +22,7 @@ from inference_node.kv.block import Block
 from inference_node.kv.clock import ManualClock
 from inference_node.kv.lifetables import FREQUENCY_BAND, NUM_BUCKETS, RECENCY_BAND, age_bucket
 from inference_node.kv.manager import KvCacheConfig, KVCacheManager, OutOfBlocks
+from inference_node.kv.shadows import native_available
 
 from .helpers import BS, cache, hashes, prio, prompt, toks
 
@@ -221,18 +223,24 @@ def test_the_learned_state_is_the_caches_own_and_bounded_by_its_size():
     assert config.adaptive == AdaptivePolicy()  # and the config is untouched (frozen)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["python", "compiled"])
 @pytest.mark.parametrize("seed", range(3))
-def test_ghosts_and_shadows_stay_within_their_bounds(seed):
+def test_ghosts_and_shadows_stay_within_their_bounds(seed, compiled):
+    if compiled and not native_available():
+        if os.environ.get("KVFLOW_REQUIRE_NATIVE") == "1":
+            pytest.fail("kvflow_native is not installed (make install builds it)", pytrace=False)
+        pytest.skip("kvflow_native is not installed (pip install ./native)")
     rng = random.Random(seed)
-    pol = AdaptiveLearner(AdaptivePolicy(ghost_capacity=40, shadow_sample_blocks=16), cache_blocks=32)
+    pol = AdaptiveLearner(AdaptivePolicy(ghost_capacity=40, shadow_sample_blocks=16, compiled=compiled),
+                          cache_blocks=32)
     for _ in range(3000):
         keys = [bytes([rng.randrange(256)]) + b"%d" % rng.randrange(200) for _ in range(rng.randint(1, 6))]
         pol.on_lookup(keys, matched=rng.randint(0, len(keys)), now=0.0)
         pol.on_evict([evicted(k, rng.randrange(72)) for k in keys[: rng.randint(0, len(keys))]])
         assert len(pol._ghosts) <= 40
-        assert len(pol._lru.keys) <= pol.shadow_capacity
+        assert len(pol._lru) <= pol.shadow_capacity
         sh = pol._shadow
-        assert len(sh.new) + len(sh.old) <= sh.capacity and len(sh.ghosts) <= sh.ghost_capacity
+        assert len(sh) <= sh.capacity and sh.num_ghosts <= sh.ghost_capacity
 
 
 def test_sampling_keeps_a_share_of_digests_and_of_the_capacity():
