@@ -88,7 +88,7 @@ from typing import TYPE_CHECKING
 from eventbus.protocol import DEFAULT_PRIORITY
 from inference_node.kv.eviction import NUM_PRIORITIES
 from inference_node.kv.lifetables import FREQUENCY_BAND, RECENCY_BAND
-from inference_node.kv.shadows import CLASS_MASK, tables
+from inference_node.kv.shadows import CLASS_MASK, native_available, tables
 
 if TYPE_CHECKING:
     from inference_node.kv.block import Block
@@ -236,6 +236,8 @@ class AdaptiveLearner:
         self.shadow_capacity = max(1, round(c * self.sample_below / 256))
         self._stats = [_ClassStats() for _ in range(NUM_CLASSES)]
         ghost_fifo, lru_shadow, bands_shadow, life_tables = tables(policy.compiled)
+        #: Which tables hold the state: ``compiled`` (``kvflow_native``) or ``python``.
+        self.tables = "compiled" if policy.compiled and native_available() else "python"
         #: digest -> class, with soon_share also its last use: ``last_used << 7 | class``
         self._ghosts = ghost_fifo(self.ghost_capacity)
         self._soon = policy.soon_share > 0
@@ -509,4 +511,4 @@ class AdaptiveLearner:
             **self.life.describe(self._tick, (self.cache_blocks // 4, self.cache_blocks, 4 * self.cache_blocks))}
         return {"bands": self.bands, "switches": self.switches, "guard_lead": round(self._lead, 4),
                 "life": life,
-                "sample_rate": round(self.sample_below / 256, 4), "classes": classes}
+                "sample_rate": round(self.sample_below / 256, 4), "classes": classes, "tables": self.tables}

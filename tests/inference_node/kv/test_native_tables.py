@@ -198,7 +198,9 @@ def run(policy: AdaptivePolicy, host: int, prompts: list[Prompt]) -> tuple[list,
         mgr.free("r")
         events += [(e.event_id, e.data) for e in mgr.drain_events()]
     assert mgr.adaptive is not None
-    return events, mgr.adaptive.describe()
+    state = mgr.adaptive.describe()
+    assert state.pop("tables") == ("compiled" if policy.compiled else "python")
+    return events, state
 
 
 @pytest.mark.parametrize(("settings", "host"), [({}, 0), ({}, 300),
