@@ -102,6 +102,16 @@ fn each<'py>(seq: &Bound<'py, PyAny>, mut f: impl FnMut(usize, &Bound<'py, PyAny
     Ok(())
 }
 
+/// The keys of a sequence of digests.
+fn keys_of(seq: &Bound<'_, PyAny>) -> PyResult<Vec<Key>> {
+    let mut ks = Vec::new();
+    each(seq, |_, d| {
+        ks.push(key(d)?);
+        Ok(())
+    })?;
+    Ok(ks)
+}
+
 /// The sampled keys of a lookup's digests (first byte below `below`), and how many of them are
 /// among the first `matched` digests (the cache's own prefix hits on them).
 fn sample(digests: &Bound<'_, PyAny>, matched: usize, below: u32) -> PyResult<(Vec<Key>, usize)> {
@@ -425,12 +435,7 @@ impl LruShadow {
 
     /// One lookup of `keys` (a prompt's sampled digests, in order): its prefix hits.
     fn replay(&mut self, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
-        let mut ks = Vec::new();
-        each(keys, |_, d| {
-            ks.push(key(d)?);
-            Ok(())
-        })?;
-        Ok(self.replay_keys(&ks))
+        Ok(self.replay_keys(&keys_of(keys)?))
     }
 
     /// One lookup of a prompt's `digests`, of which the cache had the first `matched`: the
@@ -510,12 +515,7 @@ impl BandsShadow {
 
     /// One lookup of `keys` (a prompt's sampled digests, in order): its prefix hits.
     fn replay(&mut self, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
-        let mut ks = Vec::new();
-        each(keys, |_, d| {
-            ks.push(key(d)?);
-            Ok(())
-        })?;
-        Ok(self.replay_keys(&ks))
+        Ok(self.replay_keys(&keys_of(keys)?))
     }
 
     /// As `LruShadow.lookup`.

@@ -69,6 +69,16 @@ def test_ghosts_remember_forget_and_return_as_the_python_fifo(seed, soon):
     assert len(py) == 30  # it filled up: forgetting was compared too
 
 
+def same_lookup(rng: random.Random, py, nat, ks: list[bytes]) -> None:
+    """One replay of ``ks``, or one lookup with a random prefix matched and sampling rate, on both
+    shadows: the same answer."""
+    if rng.random() < 0.5:
+        assert nat.replay(ks) == py.replay(ks)
+    else:
+        matched, below = rng.randint(0, len(ks)), rng.choice([1, 100, 256])
+        assert nat.lookup(ks, matched, below) == py.lookup(ks, matched, below)
+
+
 @pytest.mark.parametrize("timed", [False, True])
 @pytest.mark.parametrize("seed", range(4))
 def test_the_lru_shadow_hits_and_keeps_what_the_python_one_does(seed, timed):
@@ -76,12 +86,7 @@ def test_the_lru_shadow_hits_and_keeps_what_the_python_one_does(seed, timed):
     py, nat = LruShadow(25, timed=timed), NativeLru(25, timed=timed)
     for step in range(4000):
         py.now = nat.now = float(step // 3)
-        ks = keys(rng, 80)
-        if rng.random() < 0.5:
-            assert nat.replay(ks) == py.replay(ks)
-        else:
-            matched, below = rng.randint(0, len(ks)), rng.choice([1, 100, 256])
-            assert nat.lookup(ks, matched, below) == py.lookup(ks, matched, below)
+        same_lookup(rng, py, nat, keys(rng, 80))
         assert (len(nat), nat.horizon) == (len(py), py.horizon)
     assert len(py) == 25 and (py.horizon > 0) == timed
 
@@ -91,12 +96,7 @@ def test_the_bands_shadow_hits_and_keeps_what_the_python_one_does(seed):
     rng = random.Random(seed)
     py, nat = BandsShadow(20, 40), NativeBands(20, 40)
     for _ in range(4000):
-        ks = keys(rng, 100)
-        if rng.random() < 0.5:
-            assert nat.replay(ks) == py.replay(ks)
-        else:
-            matched, below = rng.randint(0, len(ks)), rng.choice([1, 100, 256])
-            assert nat.lookup(ks, matched, below) == py.lookup(ks, matched, below)
+        same_lookup(rng, py, nat, keys(rng, 100))
         assert (len(nat), nat.num_ghosts) == (len(py), py.num_ghosts)
     assert len(py) == 20 and py.num_ghosts == 40
 
