@@ -106,16 +106,30 @@ def test_three_brokers_come_up_with_replicated_topics_and_status_shows_each(clus
 
 
 def _leader_of_busiest_partition(bootstrap: str, topic: str) -> int:
-    """The broker leading the partition with the most messages (where the node publishes)."""
-    from confluent_kafka import Consumer, TopicPartition
+    """The broker leading the partition with the most messages (where the node publishes).
 
-    c = Consumer({"bootstrap.servers": bootstrap, "group.id": "kvflow-test-leader"})
-    try:
-        md = c.list_topics(topic, timeout=10).topics[topic]
-        sizes = {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in md.partitions}
-        return md.partitions[max(sizes, key=lambda p: sizes[p])].leader
-    finally:
-        c.close()
+    The metadata and the offsets may come from brokers that follow the KRaft metadata log a moment
+    apart: a "not leader" or "leader not available" answer (a fresh-clone run saw one) is asked
+    again with fresh metadata, for up to 30 s."""
+    from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+
+    transient = {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE}
+
+    def attempt() -> tuple[int] | None:
+        c = Consumer({"bootstrap.servers": bootstrap, "group.id": "kvflow-test-leader"})
+        try:
+            md = c.list_topics(topic, timeout=10).topics[topic]
+            sizes = {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in md.partitions}
+            return (md.partitions[max(sizes, key=lambda p: sizes[p])].leader,)
+        except KafkaException as exc:
+            if exc.args[0].code() in transient:
+                return None
+            raise
+        finally:
+            c.close()
+
+    (leader,) = wait_for(attempt, 30, what="the leader of the busiest partition")
+    return leader
 
 
 @pytest.mark.integration
