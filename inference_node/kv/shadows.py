@@ -28,7 +28,7 @@ except ImportError:  # pure Python
 if _native is not None and not hasattr(_native, "LifeTables"):  # an older build of the extension
     _native = None
 
-#: A ghost's class in the low 7 bits of its value (``inference_node.kv.adaptive._CLASS_MASK``).
+#: A ghost's class in the low 7 bits of its value (with ``soon_share``, its last use above them).
 CLASS_MASK = 127
 
 

@@ -27,7 +27,7 @@ use std::hash::{BuildHasherDefault, Hash, Hasher};
 
 const KEY_BYTES: usize = 32;
 const NIL: u32 = u32::MAX;
-/// A ghost's class in the low 7 bits of its value (`inference_node.kv.adaptive._CLASS_MASK`).
+/// A ghost's class in the low 7 bits of its value (`inference_node.kv.shadows.CLASS_MASK`).
 const CLASS_MASK: i64 = 127;
 
 #[derive(Clone, Copy, PartialEq, Eq)]
