@@ -1,0 +1,27 @@
+"""The KV core decides, emits and ends exactly as it did before its eviction policy moved behind
+:class:`~inference_node.kv.policy.EvictionPolicy`: the conversation trace and every generated
+family, in ten settings (plain LRU, client priorities with durations, host tiers, the adaptive
+policy with compiled and Python tables, routed settings, caches too small for some requests),
+give the digests recorded with the earlier core (``replay_golden.json``; how:
+``replay_equivalence.py``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.inference_node.kv.replay_equivalence import GOLDEN, SETTINGS, cases, replay
+
+pytestmark = pytest.mark.unit
+
+_GOLDEN: dict[str, dict[str, str]] = json.loads(GOLDEN.read_text())
+
+
+def test_every_case_has_a_recorded_digest() -> None:
+    assert sorted(cases()) == sorted((w, s) for w, by in _GOLDEN.items() for s in by)
+
+
+@pytest.mark.parametrize(("workload", "setting"), cases())
+def test_replay_gives_the_recorded_event_stream_and_cache(workload: str, setting: str) -> None:
+    assert replay(workload, SETTINGS[setting]) == _GOLDEN[workload][setting]
