@@ -12,7 +12,7 @@ from bridge.trtllm import TrtllmPoller
 from bridge.zmq_source import ZmqSource
 from eventbus.config import KafkaSettings
 from eventbus.protocol import InstanceId
-from inference_node.publisher import ControlListener, KafkaSink, Sink
+from eventbus.publisher import ControlListener, KafkaSink, Sink
 
 log = logging.getLogger("kvflow.bridge")
 

@@ -48,9 +48,8 @@ from bridge.translate import BridgeStats, Translator, level_of
 from bridge.wire import AllBlocksCleared, BlockRemoved, BlockStored, EngineBatch
 from bridge.zmq_source import ZmqSource
 from eventbus.hashing import block_digest
-from eventbus.protocol import InstanceId, NodeCounters, NodeId, NodeStats
-from inference_node.kv.block import GPU
-from inference_node.publisher import ControlListener, Publisher, Sink
+from eventbus.protocol import GPU, InstanceId, NodeCounters, NodeId, NodeStats
+from eventbus.publisher import ControlListener, Publisher, Sink
 
 log = logging.getLogger("kvflow.bridge")
 

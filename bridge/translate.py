@@ -17,7 +17,7 @@ stored in kvflow once and removed when the last of them goes.
 **Tiers.** A medium other than GPU (vLLM's ``CPU``, SGLang's ``CPU_PINNED``/``DISK``) is kvflow's
 level 1; a block held on both is on level 0, and moves (``updated``) when one copy goes.
 
-The translator is the event source of a :class:`~inference_node.publisher.Publisher`
+The translator is the event source of a :class:`~eventbus.publisher.Publisher`
 (``drain_events``, ``request_snapshot``) through the KV core's own :class:`EventLog` (ids from 0,
 overflow → snapshot). One translator is one kvflow instance: an engine restart, an
 ``AllBlocksCleared`` or a gap that replay cannot fill starts a new one (``bridge.service``).
@@ -29,10 +29,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from bridge.wire import EngineKey
+from eventbus.events import EventLog, EventLogStats
 from eventbus.hashing import block_hash, chain_digests
 from eventbus.protocol import (
     DEFAULT_PRIORITY,
     EVENT_BLOCKS_CHUNK,
+    GPU,
+    HOST,
     BlockDigest,
     BlockHash,
     Created,
@@ -44,9 +47,6 @@ from eventbus.protocol import (
     StoredBlock,
     Updated,
 )
-from inference_node.kv.block import GPU, HOST
-from inference_node.kv.events import EventLog
-from inference_node.kv.types import KvStats
 
 
 def level_of(medium: str | None) -> int:
@@ -90,9 +90,9 @@ class Translator:
     def __init__(self, *, num_blocks: Sequence[int], window_size: int = 0, max_keys: int = 1 << 22,
                  max_queued_events: int = 100_000, stats: BridgeStats | None = None, partial: bool = False) -> None:
         self.stats = stats if stats is not None else BridgeStats()
-        self.kv_stats = KvStats()
+        self.event_stats = EventLogStats()
         self.log = EventLog(window_size=window_size, max_queued=max_queued_events,
-                            snapshot_part_blocks=EVENT_BLOCKS_CHUNK, stats=self.kv_stats)
+                            snapshot_part_blocks=EVENT_BLOCKS_CHUNK, stats=self.event_stats)
         self.max_keys = max_keys
         #: kvflow holds a subset of the engine's blocks (attached late, or something was skipped)
         self.partial = partial

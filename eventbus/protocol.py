@@ -35,7 +35,6 @@ refused) and every refusal is a :class:`ProtocolError` with a short machine-read
 
 from __future__ import annotations
 
-import enum
 import operator
 from collections.abc import Callable, Iterable
 from typing import Annotated, Any, Final, Literal, NewType
@@ -60,6 +59,10 @@ MAX_BLOCK_TOKENS: Final = 1 << 16
 MAX_WINDOW_SIZE: Final = 1 << 31
 MAX_CACHE_LEVEL: Final = 1
 U64_MAX: Final = (1 << 64) - 1
+
+#: Cache levels (the wire's ``cache_level``): the GPU's block pool and the host-memory tier.
+GPU: Final = 0
+HOST: Final = 1
 
 DEFAULT_PRIORITY: Final = 35
 MIN_PRIORITY: Final = 0
@@ -103,14 +106,6 @@ def to_sql_list(hashes: Iterable[int]) -> list[SqlBlockHash]:
 def from_sql(v: int) -> BlockHash:
     """The inverse of :func:`to_sql`."""
     return BlockHash(v + (1 << 64) if v < 0 else v)
-
-
-class EventKind(enum.StrEnum):
-    CREATED = "created"
-    STORED = "stored"
-    REMOVED = "removed"
-    UPDATED = "updated"
-    SNAPSHOT = "snapshot"
 
 
 class _Strict(Struct, forbid_unknown_fields=True, omit_defaults=False, gc=False):

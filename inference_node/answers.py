@@ -24,12 +24,12 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from eventbus.tokenizers import Tokenizer
 from inference_node.deps import error
 from inference_node.engine import Output, RequestHandle
 from inference_node.generation import Plan
 from inference_node.metrics import Metrics
 from inference_node.node import Node
+from openai_api.tokenizers import Tokenizer
 
 
 def token_text(tokenizer: Tokenizer, token: int) -> tuple[str, list[int]]:

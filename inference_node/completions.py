@@ -2,7 +2,7 @@
 
 A body is checked and planned (``inference_node.generation``), its sequences submitted to the
 engine, and the answer given in OpenAI's shapes, whole or streamed (``inference_node.answers``).
-A chat is rendered through the node's chat template (``eventbus.chat``; ``GET /v1/chat/template``
+A chat is rendered through the node's chat template (``openai_api.chat``; ``GET /v1/chat/template``
 serves it, with its version, to the router, which routes chats by the same rendering) and
 tokenized without special tokens (the template writes them), so a conversation's next turn starts
 with the tokens of the previous one and reuses its cached blocks.
@@ -18,12 +18,12 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from eventbus.api import ChatCompletionRequest, CompletionRequest, GenerationBody
-from eventbus.chat import ChatTemplateError, normalize_messages
 from inference_node.answers import Answer, ChatShape, Shape, TextShape
 from inference_node.deps import authorized, error, metrics_of, node_of
 from inference_node.generation import Plan, check_model, plan, refused
 from inference_node.node import Node
+from openai_api.chat import ChatTemplateError, normalize_messages
+from openai_api.schemas import ChatCompletionRequest, CompletionRequest, GenerationBody
 
 router = APIRouter()
 

@@ -11,7 +11,7 @@ the decoding of every token.
 
 from __future__ import annotations
 
-from eventbus.tokenizers import Tokenizer
+from openai_api.tokenizers import Tokenizer
 
 
 class Detokenizer:

@@ -44,15 +44,15 @@ import msgspec
 import torch
 
 from eventbus.protocol import InstanceId, NodeCounters, NodeId, NodeStats
-from eventbus.tokenizers import Tokenizer
+from eventbus.publisher import ControlListener, Publisher
 from inference_node.detok import Detokenizer
 from inference_node.heartbeat import Heartbeat
 from inference_node.kv.manager import GPU, BlockCopy, KVCacheManager, OutOfBlocks
 from inference_node.kv.prompt import Prompt
 from inference_node.kv.retention import KvCacheRetentionConfig
 from inference_node.model.llama import KVPool, LlamaModel, SeqBatchItem, copy_block
-from inference_node.publisher import ControlListener, Publisher
 from inference_node.sampling import Sampled, Sampler, SamplingParams, StopStrings
+from openai_api.tokenizers import Tokenizer
 
 log = logging.getLogger("kvflow.engine")
 T = TypeVar("T")
@@ -187,7 +187,7 @@ class Engine:
         self._wake = threading.Condition()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"engine-{node_id}", daemon=True)
-        self.heartbeat = Heartbeat(self, heartbeat_s)
+        self.heartbeat = Heartbeat(self, lambda stats: self.publisher.sink.send_stats(stats), heartbeat_s)
         self.started = False
         self.fatal: BaseException | None = None
 

@@ -8,7 +8,7 @@ them as any later request would, and compute only the prompt's last partial bloc
 ``n`` > 1 shares the prompt's KV (``kvflow.cached_tokens`` in the answer shows it per choice).
 
 Checks, in order, each answered in OpenAI's error shape: the model (404), the parameters a node
-cannot honour (400 naming each, ``eventbus.api.CANNOT``), ``kv_retention`` (400), the prompts
+cannot honour (400 naming each, ``openai_api.schemas.CANNOT``), ``kv_retention`` (400), the prompts
 (empty, token ids outside the vocabulary), the sampling parameters (``SamplingParams.validate``:
 ``logit_bias`` ids and duplicates, every range the engine would refuse), ``stop_token_ids``, the
 context length and the KV capacity (400).
@@ -21,12 +21,12 @@ from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse
 
-from eventbus.api import GenerationBody, Refusal
 from inference_node.deps import error
 from inference_node.engine import GenerationRequest
 from inference_node.kv.retention import KvCacheRetentionConfig, RetentionConfigError, TokenRange
 from inference_node.node import Node
 from inference_node.sampling import SamplingParams
+from openai_api.schemas import GenerationBody, Refusal
 
 
 @dataclass

@@ -6,26 +6,38 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol, TypeVar
 
 import msgspec
 
 from eventbus.protocol import NodeStats
 
-if TYPE_CHECKING:
-    from inference_node.engine import Engine
+T = TypeVar("T")
+
+
+class StatsSource(Protocol):
+    """What a heartbeat asks for its stats (the node's ``Engine``): the stats, computed on the
+    engine's own thread (``call``), and whether it crashed (``fatal``)."""
+
+    node_id: str
+    fatal: BaseException | None
+
+    def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]: ...
+    def node_stats(self) -> NodeStats: ...
 
 
 class Heartbeat:
     """Sends the engine's ``NodeStats`` every ``interval_s`` from a thread of its own.
 
-    Each beat asks the engine thread for fresh stats (:meth:`Engine.call`); if the engine does not
+    Each beat asks the engine thread for fresh stats (``engine.call``); if the engine does not
     answer within a fraction of the interval (a long prefill holds it), the last stats go out
     again with the current time, so the node stays live. A crashed engine sends none.
     """
 
-    def __init__(self, engine: Engine, interval_s: float) -> None:
+    def __init__(self, engine: StatsSource, send: Callable[[NodeStats], None], interval_s: float) -> None:
         self.engine = engine
+        self._send = send
         self.interval_s = interval_s
         self.sent = 0
         self.stale_sent = 0  # beats that repeated the last stats (the engine was busy)
@@ -46,7 +58,7 @@ class Heartbeat:
         while True:
             stats = self._beat()
             if stats is not None:
-                self.engine.publisher.sink.send_stats(stats)
+                self._send(stats)
                 self.sent += 1
             if self._stop.wait(self.interval_s):
                 return

@@ -11,15 +11,16 @@ import torch
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from eventbus.chat import ChatTemplate, load_chat_template
 from eventbus.config import KafkaSettings
+from eventbus.hashing import DEFAULT_BLOCK_SIZE
 from eventbus.protocol import InstanceId, NodeId
-from eventbus.tokenizers import Tokenizer, load_tokenizer
+from eventbus.publisher import ControlListener, KafkaSink, NullSink, Publisher, Sink
 from inference_node.engine import Engine
 from inference_node.kv.adaptive import AdaptivePolicy
 from inference_node.kv.manager import KvCacheConfig, KVCacheManager
 from inference_node.model.llama import KVPool, LlamaModel, ModelConfig
-from inference_node.publisher import ControlListener, KafkaSink, NullSink, Publisher, Sink
+from openai_api.chat import ChatTemplate, load_chat_template
+from openai_api.tokenizers import Tokenizer, load_tokenizer
 
 log = logging.getLogger("kvflow.node")
 
@@ -43,7 +44,7 @@ class NodeSettings(BaseSettings):
     advertise_url: str | None = Field(default=None, description="URL the router uses (default http://host:port).")
     num_blocks: int = Field(default=1024, ge=1, description="GPU-tier KV blocks.")
     host_blocks: int = Field(default=0, ge=0, description="Host-memory-tier KV blocks (0: no host tier).")
-    block_size: int = Field(default=32, ge=1, description="Tokens per KV block.")
+    block_size: int = Field(default=DEFAULT_BLOCK_SIZE, ge=1, description="Tokens per KV block.")
     device: str = Field(default="auto", description="cpu, cuda, cuda:N or auto (CUDA when present).")
     model_dir: str | None = Field(default=None, description="Local Hugging Face Llama folder; default: random.")
     model_preset: Literal["tiny", "small"] = Field(default="small", description="Random model size.")
@@ -85,7 +86,7 @@ class Node:
     engine: Engine
     sink: Sink
     control: ControlListener | None
-    #: the chat template (the model folder's, else kvflow's default; ``eventbus.chat``)
+    #: the chat template (the model folder's, else kvflow's default; ``openai_api.chat``)
     chat_template: ChatTemplate
 
     def close(self) -> None:

@@ -1,6 +1,6 @@
 """The node's HTTP API (FastAPI): OpenAI-style completions with KV retention, and the KV state.
 
-* ``POST /v1/completions`` and ``POST /v1/chat/completions`` — OpenAI's bodies (``eventbus.api``:
+* ``POST /v1/completions`` and ``POST /v1/chat/completions`` — OpenAI's bodies (``openai_api.schemas``:
   the standard sampling parameters, ``n``, ``stop``, ``logprobs``, streaming with
   ``stream_options``), plus ``kv_retention`` ``{token_ranges, decode_priority, decode_duration_s}``,
   ``lora_id``, ``cache_salt``. The response's ``usage.prompt_tokens_details.cached_tokens`` says how
@@ -27,11 +27,11 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from eventbus.http import BodyLimit
 from inference_node import completions
 from inference_node.deps import authorized, error, metrics_of, node_of, on_engine
 from inference_node.metrics import Metrics
 from inference_node.node import Node
+from openai_api.http import BodyLimit
 
 router = APIRouter()
 

@@ -29,7 +29,7 @@ from sqlalchemy.engine import make_url
 from starlette.exceptions import HTTPException
 
 from eventbus.config import Environment, RuntimeSettings, check_secret
-from eventbus.http import BodyLimit
+from openai_api.http import BodyLimit
 from routing_api.config import RouterSettings, parse_api_keys
 from routing_api.errors import Unavailable, on_http, on_invalid, on_unavailable
 from routing_api.fastpath import RouterApp

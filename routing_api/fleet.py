@@ -16,11 +16,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from eventbus.hashing import DEFAULT_BLOCK_SIZE
 from eventbus.protocol import NodeId
 from routing_api.scoring import NodeView, PrefixMatch
 
 #: The block size when no node reports one.
-FALLBACK_BLOCK_SIZE = 32
+FALLBACK_BLOCK_SIZE = DEFAULT_BLOCK_SIZE
 
 Row = Mapping[str, Any]
 

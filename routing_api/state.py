@@ -18,9 +18,9 @@ from typing import Any
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from eventbus.chat import load_chat_template
 from eventbus.protocol import NodeId
-from eventbus.tokenizers import Tokenizer, load_tokenizer
+from openai_api.chat import load_chat_template
+from openai_api.tokenizers import Tokenizer, load_tokenizer
 from routing_api.config import ApiKey, RouterSettings
 from routing_api.fleet import FleetView, fleet_view
 from routing_api.prefill import PrefillQueue, TtftTail

@@ -1,7 +1,7 @@
 """The chat template of each model, as the nodes serving it advertise it (``GET /v1/chat/template``).
 
 The router routes a chat by the prompt the node will compute: the messages rendered through the
-node's chat template (``eventbus.chat``), tokenized and hashed as text. A node's template comes
+node's chat template (``openai_api.chat``), tokenized and hashed as text. A node's template comes
 with a ``version`` (a digest of the template and its special tokens); the router fetches it once
 from a live node of the model and keeps it while that node instance lives, at most ``ttl_s``
 (``KVFLOW_ROUTER_CHAT_TEMPLATE_TTL_S``), so a fleet that rolls out a new template is seen within it.
@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from eventbus.chat import ChatTemplate
+from openai_api.chat import ChatTemplate
 
 log = logging.getLogger("kvflow.router")
 

@@ -21,12 +21,12 @@ import asyncpg
 
 from eventbus.config import KafkaSettings
 from eventbus.protocol import InstanceId, NodeCounters, NodeId, NodeStats, from_sql
+from eventbus.publisher import InMemorySink, KafkaSink, Publisher
 from eventbus.replay import BlockState
 from inference_node.kv.clock import ManualClock
 from inference_node.kv.manager import KvCacheConfig, KVCacheManager, OutOfBlocks
 from inference_node.kv.prompt import Prompt
 from inference_node.kv.retention import KvCacheRetentionConfig, TokenRange
-from inference_node.publisher import InMemorySink, KafkaSink, Publisher
 from kvflow.stack import Paths, Postgres, StackSettings, free_port, project_dir
 from state_store.config import plain_dsn
 

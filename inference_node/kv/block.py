@@ -32,11 +32,9 @@ from __future__ import annotations
 
 from typing import Final
 
-from eventbus.protocol import DEFAULT_PRIORITY, BlockDigest, BlockHash
+from eventbus.protocol import DEFAULT_PRIORITY, GPU, HOST, BlockDigest, BlockHash
 
-#: Cache levels (the wire's ``cache_level``): the GPU's block pool and the host-memory tier.
-GPU: Final = 0
-HOST: Final = 1
+__all__ = ["GPU", "HOST", "IN_HEAP", "IN_LIST", "NOT_EVICTABLE", "PARKED", "Block"]
 
 # Where a block stands in its tier's eviction order (``Block.evict_state``).
 #: In use, or not cached: not in any eviction order.

@@ -24,7 +24,7 @@ Semantics (DESIGN.md, "Reference semantics", TensorRT-LLM's, reproduced):
 
 Every change of the cached set is an event (``created``, ``stored``, ``removed``, ``updated``,
 ``snapshot``) in the wire schema of :mod:`eventbus.protocol`, queued in an
-:class:`~inference_node.kv.events.EventLog` until a publisher drains them. The queue is bounded;
+:class:`~eventbus.events.EventLog` until a publisher drains them. The queue is bounded;
 on overflow the queued events are dropped, counted, and replaced by a ``snapshot`` at the next
 drain, with no gap in ``event_id``.
 
@@ -32,7 +32,7 @@ The manager decides what happens to requests (which blocks a prompt needs, which
 take: :mod:`~inference_node.kv.retention`, :mod:`~inference_node.kv.adaptive`) and has the
 :class:`~inference_node.kv.pool.BlockPool` do it to blocks; the pool keeps each tier's order in an
 :class:`~inference_node.kv.eviction.EvictionIndex` (changed only through its methods) and reports
-every change to the :class:`~inference_node.kv.events.EventLog`. The block record and its states
+every change to the :class:`~eventbus.events.EventLog`. The block record and its states
 are :mod:`~inference_node.kv.block`; the public value types live in
 :mod:`~inference_node.kv.types` and are re-exported here.
 
@@ -45,12 +45,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from eventbus.events import EventLog
 from eventbus.hashing import block_digest
 from eventbus.protocol import DEFAULT_PRIORITY, BlockDigest, Created, Event, SnapshotBlock
 from inference_node.kv.adaptive import AdaptiveLearner, BlockContext
 from inference_node.kv.block import GPU, HOST, Block
 from inference_node.kv.clock import Clock, monotonic
-from inference_node.kv.events import EventLog
 from inference_node.kv.pool import BlockPool, Retentions
 from inference_node.kv.prompt import Prompt
 from inference_node.kv.retention import KvCacheRetentionConfig

@@ -3,7 +3,7 @@ eviction order, retention clocks, and every move of a block between them.
 
 :class:`BlockPool` does what happens to blocks — take a cached prefix into use, find slots
 (evicting, offloading), onboard, cache new blocks, release them, re-prioritize, expire, remove —
-and reports each change to the :class:`~inference_node.kv.events.EventLog`, the adaptive
+and reports each change to the :class:`~eventbus.events.EventLog`, the adaptive
 policy's :class:`~inference_node.kv.adaptive.AdaptiveLearner` and :class:`KvStats`. The
 :class:`~inference_node.kv.manager.KVCacheManager` decides what happens to *requests* (which
 blocks a prompt needs, which retention they take) and calls it. The semantics are the manager's
@@ -16,6 +16,7 @@ import heapq
 import struct
 from collections.abc import Sequence
 
+from eventbus.events import EventLog
 from eventbus.hashing import block_hash
 from eventbus.protocol import (
     DEFAULT_PRIORITY,
@@ -31,7 +32,6 @@ from eventbus.protocol import (
 from inference_node.kv.adaptive import DEMOTED_PRIORITY, FREQUENCY_PRIORITY, RECENCY_PRIORITY, AdaptiveLearner
 from inference_node.kv.block import GPU, HOST, IN_LIST, NOT_EVICTABLE, Block
 from inference_node.kv.clock import Clock
-from inference_node.kv.events import EventLog
 from inference_node.kv.eviction import EvictionIndex
 from inference_node.kv.lifetables import NUM_BUCKETS, TIE_ABOVE, TIE_BELOW
 from inference_node.kv.prompt import Prompt

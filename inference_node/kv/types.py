@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from eventbus.hashing import DEFAULT_BLOCK_SIZE
 from eventbus.protocol import DEFAULT_PRIORITY, EVENT_BLOCKS_CHUNK
 from inference_node.kv.adaptive import AdaptivePolicy
 
@@ -23,7 +24,7 @@ class KvCacheConfig:
 
     num_gpu_blocks: int
     num_host_blocks: int = 0
-    block_size: int = 32
+    block_size: int = DEFAULT_BLOCK_SIZE
     secondary_offload_min_priority: int = DEFAULT_PRIORITY
     #: Attention window reported with every event (the model's context length).
     window_size: int = 4096

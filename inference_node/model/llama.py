@@ -332,10 +332,6 @@ def _from_hf_name(name: str) -> str:
     return name[len("model."):] if name.startswith("model.") else name
 
 
-def param_count(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
 def flops_per_token(cfg: ModelConfig) -> float:
     """Rough forward FLOPs per token (2 × parameters in the matmuls)."""
     per_layer = (cfg.hidden_size * cfg.head_dim * (cfg.num_attention_heads * 2 + cfg.num_key_value_heads * 2)

@@ -172,7 +172,7 @@ def _through_bridge(shape: tuple[int, int, int, int], kafka: KafkaSettings, rate
     """One run through a bridge in this process: blocks/s, and the CPU share over the run."""
     batches, events, blocks, cache = shape
     pub = _Publisher(batches, events, blocks, cache, rate)
-    from inference_node.publisher import KafkaSink
+    from eventbus.publisher import KafkaSink
 
     sink = KafkaSink(kafka, NodeId("bench-bridge"))
     source = ZmqSource(pub.url, None)

@@ -37,7 +37,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from eventbus.hashing import chain_digests
+from eventbus.hashing import DEFAULT_BLOCK_SIZE, chain_digests
 from inference_node.kv.adaptive import AdaptivePolicy
 from inference_node.kv.manager import KvCacheConfig, KVCacheManager
 from inference_node.kv.prompt import Prompt
@@ -54,7 +54,7 @@ from kvflow.traces import (
     trace_prompts,
 )
 
-BLOCK_SIZE = 32
+BLOCK_SIZE = DEFAULT_BLOCK_SIZE
 #: The generated families replayed beside the trace (all of kvflow.sim.workloads but one_shot,
 #: which has nothing to reuse: every policy's hit rate is 0 there).
 FAMILIES = ("system_prompt", "multi_turn", "agentic", "rag", "scan", "shifting_mix", "hot_prefixes")

@@ -29,7 +29,6 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import asyncpg
 import httpx
@@ -39,8 +38,8 @@ from confluent_kafka import Producer
 from eventbus.config import KafkaSettings
 from eventbus.kafka import delete_topics, ensure_topics, make_producer, topic_specs
 from eventbus.protocol import EventBatch, InstanceId, NodeId, encode
+from eventbus.publisher import InMemorySink, Publisher
 from inference_node.kv.manager import KvCacheConfig, KVCacheManager
-from inference_node.publisher import InMemorySink, Publisher
 from kvflow.bench.harness import BenchResult, Samples, percentile
 from kvflow.bench.kv import synthetic_stream
 from kvflow.bench.scratch import scratch_database
@@ -75,14 +74,6 @@ def make_batches(nodes: int, requests_per_node: int, *, pool_blocks: int = 1500,
 
 def block_events(batches: list[EventBatch]) -> int:
     return len(plan(batches, {}, {}).history)
-
-
-async def _poll(url: str, sql: str, *args: Any) -> Any:
-    conn = await asyncpg.connect(plain_dsn(url))
-    try:
-        return await conn.fetchval(sql, *args)
-    finally:
-        await conn.close()
 
 
 def _produce(k: KafkaSettings, batches: list[EventBatch]) -> None:

@@ -334,7 +334,7 @@ def _bpe_replay(work: _BpeWork) -> _Replay:
     router spends (which :func:`_bpe_report` measures in the router itself)."""
     from tokenizers import Tokenizer as LibTokenizer
 
-    from eventbus.tokenizers import HFTokenizer
+    from openai_api.tokenizers import HFTokenizer
 
     path = work.folder / "tokenizer.json"
     cached, whole, lib = HFTokenizer(path), HFTokenizer(path, prefix_cache=False), LibTokenizer.from_file(str(path))

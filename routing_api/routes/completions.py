@@ -1,7 +1,7 @@
 """``POST /v1/completions`` and ``POST /v1/chat/completions``: route, then proxy to the chosen node
 (``routing_api.proxy``), and ``GET /v1/models``, the models of the live fleet.
 
-The router reads only what routing needs (``eventbus.api.ProxiedCompletion``, ``ProxiedChat``:
+The router reads only what routing needs (``openai_api.schemas.ProxiedCompletion``, ``ProxiedChat``:
 the model, the prompt or messages, ``cache_salt``, ``kv_retention``, ``lora_id``, ``stream``) and
 forwards the body as the client sent it, so every parameter a node accepts works through it, and
 a node's 400 for one it cannot honour comes back as it is. A tenant's key sets ``cache_salt`` (its
@@ -20,8 +20,8 @@ from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request, Response
 
-from eventbus.api import ProxiedChat, ProxiedCompletion
-from eventbus.chat import ChatTemplateError, normalize_messages
+from openai_api.chat import ChatTemplateError, normalize_messages
+from openai_api.schemas import ProxiedChat, ProxiedCompletion
 from routing_api.config import ApiKey
 from routing_api.decisions import fleet_rows, route
 from routing_api.deps import State, scope

@@ -8,7 +8,7 @@ import msgspec
 from fastapi import APIRouter, HTTPException, Response
 from pydantic import ValidationError
 
-from eventbus.api import RouteRequest
+from openai_api.schemas import RouteRequest
 from routing_api.config import ApiKey
 from routing_api.decisions import route
 from routing_api.deps import State, authorize, scope, state_of

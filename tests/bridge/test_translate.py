@@ -13,8 +13,8 @@ from bridge.service import Bridge, BridgeSettings, lora_id_of
 from bridge.translate import Translator
 from bridge.wire import AllBlocksCleared, BlockRemoved, BlockStored, EngineBatch, WireError, decode_frames
 from eventbus.hashing import block_hash, chain_digests
+from eventbus.publisher import InMemorySink
 from eventbus.replay import NodeState
-from inference_node.publisher import InMemorySink
 
 pytestmark = pytest.mark.unit
 

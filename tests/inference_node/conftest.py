@@ -7,9 +7,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from eventbus.publisher import InMemorySink
 from inference_node.engine import GenerationRequest, Output
 from inference_node.node import Node, NodeSettings, build_node
-from inference_node.publisher import InMemorySink
 
 
 def make_node(**kw) -> Node:

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
+from eventbus.publisher import InMemorySink
 from inference_node.node import NodeSettings, build_node
-from inference_node.publisher import InMemorySink
 from tests.support import materializer, node_row, wait_for
 
 pytestmark = pytest.mark.integration

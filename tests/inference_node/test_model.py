@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-from eventbus.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
 from inference_node.kv.prompt import Prompt
 from inference_node.kv.retention import KvCacheRetentionConfig, TokenRange
 from inference_node.model.llama import KVPool, LlamaModel, ModelConfig, SeqBatchItem
 from inference_node.node import PRESETS
+from openai_api.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
 
 from .conftest import generate, make_node
 

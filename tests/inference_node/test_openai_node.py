@@ -11,10 +11,10 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from eventbus.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate
-from eventbus.tokenizers import ByteTokenizer
 from inference_node.detok import Detokenizer
 from inference_node.server import create_app
+from openai_api.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate
+from openai_api.tokenizers import ByteTokenizer
 
 from .conftest import make_node
 

@@ -130,9 +130,9 @@ class Fleet:
     request stored is kept, so the expected trace follows from the workload (not from the rows)."""
 
     def __init__(self) -> None:
+        from eventbus.publisher import InMemorySink, Publisher
         from inference_node.kv.clock import ManualClock
         from inference_node.kv.manager import KvCacheConfig, KVCacheManager
-        from inference_node.publisher import InMemorySink, Publisher
 
         self.now = 1_800_000_000.0
         self.cores, self.pubs, self.sinks = {}, {}, {}

@@ -6,7 +6,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from pydantic import BaseModel
 
-from eventbus.http import BodyLimit
+from openai_api.http import BodyLimit
 from routing_api.fastpath import RouterApp
 
 

@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 
-from eventbus.tokenizers import load_tokenizer
+from openai_api.tokenizers import load_tokenizer
 from routing_api.config import RouterSettings
 from routing_api.decisions import Routed
 from routing_api.proxy import forward

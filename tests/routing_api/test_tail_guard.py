@@ -10,9 +10,9 @@ import random
 import httpx
 import pytest
 
-from eventbus.tokenizers import load_tokenizer
 from kvflow.sim.cluster import BLOCK_TOKENS, RouterPolicy, simulate
 from kvflow.sim.workloads import SimRequest
+from openai_api.tokenizers import load_tokenizer
 from routing_api.config import RouterSettings
 from routing_api.decisions import Routed
 from routing_api.prefill import PrefillQueue, TtftTail, guard, predicted_ttft

@@ -7,7 +7,7 @@ import asyncio
 
 import httpx
 
-from eventbus.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate
+from openai_api.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate
 from routing_api.templates import ChatTemplates
 
 OTHER = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 from fastapi.testclient import TestClient
 from pydantic import BaseModel
 
-from eventbus.http import BodyLimit
+from openai_api.http import BodyLimit
 
 pytestmark = pytest.mark.unit
 LIMIT = 1000

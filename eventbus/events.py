@@ -1,5 +1,9 @@
-"""The KV core's bounded event log: every change of the cached set, queued until a publisher
-drains it (DESIGN.md, "Kafka": ``event_id`` +1 per event, no gap a consumer cannot see).
+"""The producer's bounded event log: every change of a cache's block set, queued until a publisher
+drains it (docs/architecture.md, "Kafka": ``event_id`` +1 per event, no gap a consumer cannot see).
+
+Every producer of ``kv-events`` numbers, coalesces and bounds its events here: the KV core of a
+kvflow node (``inference_node.kv``) and a bridge's translator of a real engine's events
+(``bridge.translate``).
 
 * **Ids.** Events are numbered from 0 per cache instance, +1 each.
 * **Removals coalesce.** Consecutive removals within one eviction of the core (all the victims
@@ -19,9 +23,27 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 from eventbus.protocol import EVENT_BLOCKS_CHUNK, BlockHash, Event, EventData, Removed, Snapshot, SnapshotBlock
-from inference_node.kv.types import KvStats
+
+
+class EventCounters(Protocol):
+    """Where an :class:`EventLog` counts what it did (the KV core's ``KvStats`` is one)."""
+
+    events_emitted: int
+    events_overflowed: int
+    snapshots: int
+
+
+@dataclass
+class EventLogStats:
+    """The counters of an :class:`EventLog` whose producer keeps no others (a bridge)."""
+
+    events_emitted: int = 0
+    events_overflowed: int = 0
+    snapshots: int = 0
 
 
 class EventLog:
@@ -30,7 +52,8 @@ class EventLog:
     __slots__ = ("_events", "_max", "_next_id", "_open_removed", "_overflowed", "_part_blocks", "_stats",
                  "_window_size", "snapshot_requested")
 
-    def __init__(self, *, window_size: int, max_queued: int, snapshot_part_blocks: int, stats: KvStats) -> None:
+    def __init__(self, *, window_size: int, max_queued: int, snapshot_part_blocks: int,
+                 stats: EventCounters) -> None:
         self._events: deque[Event] = deque()
         self._window_size = window_size
         self._max = max_queued

@@ -25,8 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-import eventbus.tokenizers as tk
-from eventbus.tokenizers import (
+import openai_api.tokenizers as tk
+from openai_api.tokenizers import (
     CL100K_PATTERN,
     ByteTokenizer,
     HFTokenizer,

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eventbus.chat import (
+from openai_api.chat import (
     DEFAULT_CHAT_TEMPLATE,
     ChatTemplate,
     ChatTemplateError,

@@ -20,6 +20,8 @@ from typing import Annotated, Any, NamedTuple, cast
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
+from eventbus.protocol import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY
+
 #: ``cache_salt``'s description: an empty salt is refused (it would silently mean no salt).
 SALT = ("Salt of the first block's hash: only requests with the same salt share cached blocks. Omit it (or "
         "null) for no salt; an empty string is refused.")
@@ -36,7 +38,7 @@ class TokenRangeIn(BaseModel):
 
     start: StrictInt = Field(ge=0, description="First token of the range.")
     end: StrictInt | None = Field(default=None, description="One past the last token; null: end of prompt.")
-    priority: StrictInt = Field(description="0 (evicted first) to 100.")
+    priority: StrictInt = Field(ge=MIN_PRIORITY, le=MAX_PRIORITY, description="0 (evicted first) to 100.")
     duration_s: float | None = Field(default=None, description="Seconds at this priority once evictable.")
 
 
@@ -44,7 +46,8 @@ class RetentionIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     token_ranges: list[TokenRangeIn] = Field(default_factory=list, max_length=1024)
-    decode_priority: StrictInt = 35
+    decode_priority: StrictInt = Field(default=DEFAULT_PRIORITY, ge=MIN_PRIORITY, le=MAX_PRIORITY,
+                                       description="Priority of the generated tokens' blocks.")
     decode_duration_s: float | None = None
 
 
@@ -267,7 +270,7 @@ class _Conversation(BaseModel):
     add_generation_prompt: StrictBool = Field(default=True, description="The template's assistant header at the end.")
 
     def chat_messages(self) -> list[dict[str, Any]]:
-        """The messages as given (``eventbus.chat.normalize_messages`` makes them what templates expect)."""
+        """The messages as given (``openai_api.chat.normalize_messages`` makes them what templates expect)."""
         return [m.model_dump(exclude_unset=True) for m in self.messages]
 
     def chat_tools(self) -> list[dict[str, Any]] | None:
@@ -275,7 +278,7 @@ class _Conversation(BaseModel):
 
 
 class ChatCompletionRequest(GenerationBody, _Conversation):
-    """``POST /v1/chat/completions``: rendered through the node's chat template (``eventbus.chat``)."""
+    """``POST /v1/chat/completions``: rendered through the node's chat template (``openai_api.chat``)."""
 
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1, le=8192,
                                                     description="Default: up to the context (and the node's KV).")

@@ -6,10 +6,10 @@ import pytest
 
 from eventbus import protocol as p
 from eventbus.config import KafkaSettings
+from eventbus.publisher import InMemorySink, KafkaSink, Publisher
 from eventbus.replay import NodeState
 from inference_node.kv.manager import KvCacheConfig, KVCacheManager
 from inference_node.kv.prompt import Prompt
-from inference_node.publisher import InMemorySink, KafkaSink, Publisher
 
 pytestmark = pytest.mark.unit
 
