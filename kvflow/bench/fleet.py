@@ -30,7 +30,8 @@ import msgspec
 from eventbus.hashing import prompt_block_hashes
 from eventbus.protocol import to_sql
 from kvflow.bench.harness import BenchResult, percentile
-from kvflow.bench.route import _load, _router, _sql_baseline, make_prompts
+from kvflow.bench.route import _sql_baseline, make_prompts
+from kvflow.bench.route_load import _load, _router
 from kvflow.bench.scratch import scratch_database
 from state_store.config import DatabaseSettings, plain_dsn
 

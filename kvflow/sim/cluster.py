@@ -58,17 +58,17 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import random
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from eventbus.protocol import NodeId
 from inference_node.kv.adaptive import AdaptivePolicy
 from inference_node.kv.clock import ManualClock
 from inference_node.kv.manager import KvCacheConfig, KVCacheManager, OutOfBlocks
 from inference_node.kv.prompt import Prompt
-from kvflow.sim.workloads import BLOCK_TOKENS, SimRequest
+from kvflow.sim import router_anchors as anchors
+from kvflow.sim.node import Policy, SimNode
+from kvflow.sim.request import BLOCK_TOKENS, SimRequest
 from kvflow.traces import belady_hit_rate
 from routing_api.prefill import PrefillQueue, TtftTail, guard
 from routing_api.scoring import (
@@ -152,68 +152,6 @@ class SimResult:
                 "mean_queue_s": round(self.mean_queue_s, 4), "ttft_p50_s": round(self.ttft_p50, 4),
                 "ttft_p99_s": round(self.ttft_p99, 4),
                 "requests_per_node": self.requests_per_node, "prefill_tokens_per_node": self.prefill_tokens_per_node}
-
-
-@dataclass
-class SimNode:
-    """One node: its cache, its prefill queue (FIFO) and the requests it has in hand."""
-
-    core: KVCacheManager
-    clock: ManualClock
-    capacity: int
-    #: (prefill end, prompt blocks) of the requests whose prefill has not ended, in order: the first
-    #: is being prefilled, the others wait
-    prefills: deque[tuple[float, int]] = field(default_factory=deque)
-    #: (last token, prompt blocks) of every request not finished (prefilling, waiting or decoding)
-    inflight_heap: list[tuple[float, int]] = field(default_factory=list)
-    inflight_blocks: int = 0
-    waiting_blocks: int = 0
-    busy_until: float = 0.0
-    requests: int = 0
-    prefill_tokens: int = 0
-
-    def settle(self, now: float) -> None:
-        q = self.prefills
-        while q and q[0][0] <= now:
-            q.popleft()
-            if q:
-                self.waiting_blocks -= q[0][1]  # the next one is being prefilled now
-        h = self.inflight_heap
-        while h and h[0][0] <= now:
-            self.inflight_blocks -= heapq.heappop(h)[1]
-
-    def admit(self, arrival: float, blocks: int, prefill_s: float, decode_s: float) -> float:
-        """Queue a request: returns when its prefill starts."""
-        start = max(arrival, self.busy_until)
-        self.busy_until = start + prefill_s
-        if self.prefills:
-            self.waiting_blocks += blocks
-        self.prefills.append((self.busy_until, blocks))
-        heapq.heappush(self.inflight_heap, (self.busy_until + decode_s, blocks))
-        self.inflight_blocks += blocks
-        return start
-
-    @property
-    def inflight(self) -> int:
-        """Requests in hand: being prefilled, waiting, or decoding."""
-        return len(self.inflight_heap)
-
-    @property
-    def waiting(self) -> int:
-        """Requests waiting for their prefill (a node's reported queue length)."""
-        return max(0, len(self.prefills) - 1)
-
-    @property
-    def kv_usage(self) -> float:
-        """The share of the node's blocks its running requests hold (vLLM's KV usage; waiting ones
-        hold none)."""
-        return (self.inflight_blocks - self.waiting_blocks) / self.capacity if self.capacity else 0.0
-
-
-class Policy(Protocol):
-    """A router: chooses a node for each request, and may learn from what it routed."""
-
-    def choose(self, req: SimRequest, prompt: Prompt, nodes: Sequence[SimNode]) -> int: ...
 
 
 class _Random:
@@ -318,8 +256,6 @@ class RouterPolicy:
 def make_policy(routing: str, *, nodes: int, capacity: int, weights: RoutingWeights | None,
                 rng: random.Random) -> Policy:
     """The policy named ``routing`` (one of :data:`ROUTING`) for ``nodes`` nodes of ``capacity`` blocks."""
-    from kvflow.sim import router_anchors as anchors
-
     w = weights or DEFAULT_WEIGHTS
     policies: dict[str, Callable[[], Policy]] = {
         "random": lambda: _Random(rng),

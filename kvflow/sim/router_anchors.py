@@ -26,8 +26,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
 from inference_node.kv.prompt import Prompt
-from kvflow.sim.cluster import SimNode
-from kvflow.sim.workloads import BLOCK_TOKENS, SimRequest
+from kvflow.sim.node import SimNode
+from kvflow.sim.request import BLOCK_TOKENS, SimRequest
 
 #: SGLang counts its tree in characters, llm-d its block sizes in tokens × 4 characters
 #: (``averageCharactersPerToken``); the same estimate turns SGLang's characters into blocks here.

@@ -78,7 +78,7 @@ def test_storage_is_formatted_even_when_the_first_id_drawn_starts_with_a_dash(tm
     kafka = Kafka(paths, settings)
     kafka.write_config()
     draws = iter([_DASH_UUID, uuid.UUID(int=1)])
-    monkeypatch.setattr("kvflow.stack.uuid.uuid4", lambda: next(draws))
+    monkeypatch.setattr("kvflow.stack.kafka.uuid.uuid4", lambda: next(draws))
     kafka.ensure_formatted()
     meta = dict(line.split("=", 1) for line in (paths.kafka_data / "meta.properties").read_text().splitlines()
                 if "=" in line and not line.startswith("#"))
