@@ -1,5 +1,5 @@
 """The producer's bounded event log: every change of a cache's block set, queued until a publisher
-drains it (docs/architecture.md, "Kafka": ``event_id`` +1 per event, no gap a consumer cannot see).
+drains it (docs/architecture.md#eventbatch: ``event_id`` +1 per event, no gap a consumer cannot see).
 
 Every producer of ``kv-events`` numbers, coalesces and bounds its events here: the KV core of a
 kvflow node (``inference_node.kv``) and a bridge's translator of a real engine's events

@@ -1,4 +1,4 @@
-"""Block identity (DESIGN.md, "Block identity"): the one implementation, for nodes and router.
+"""Block identity (docs/architecture.md#block-identity): the one implementation, for nodes and router.
 
 A block's digest is BLAKE2b-256, personalized ``kvflow-block-v1``, over::
 

@@ -27,7 +27,7 @@ class TopicSpec:
 
 
 def topic_specs(s: KafkaSettings) -> list[TopicSpec]:
-    """The topics of DESIGN.md with their retention settings."""
+    """The topics of docs/architecture.md#kafka with their retention settings."""
     big = str(10 * 1024 * 1024)
     return [
         TopicSpec(s.events_topic, max(6, s.events_partitions), {

@@ -1,4 +1,4 @@
-"""The one wire schema of kvflow (DESIGN.md, "Kafka"): ``EventBatch`` and ``NodeStats``.
+"""The one wire schema of kvflow (docs/architecture.md#kafka): ``EventBatch`` and ``NodeStats``.
 
 Every producer (inference nodes) and consumer (materializer, ``kvflow events tail``, your own
 consumers) imports this module; nobody copies it. The same structures are published as JSON

@@ -117,9 +117,11 @@ async def kv_stats(request: Request) -> dict[str, Any]:
             "running": engine.queue_depth[0], "waiting": engine.queue_depth[1],
             "last_event_id": core.last_event_id, "pending_events": core.pending_events,
             "events_published": engine.publisher.events_sent,
+            "policy": core.policy.name,
         }
-        if core.adaptive is not None:
-            out["adaptive"] = core.adaptive.describe()
+        learned = core.policy.describe()
+        if learned is not None:
+            out[core.policy.name] = learned
         return out
 
     return await on_engine(node, collect)

@@ -46,7 +46,7 @@ RATE_LEARNING = 0.1
 #: A first token's measurement is clamped to this factor of the estimate either way (an outlier:
 #: a node that batched, paused, or served other routers' requests first).
 RATE_CLAMP = 4.0
-#: The predictions the tail is the quantile of (docs/router.md, "The tail guard": 2,000 kept every
+#: The predictions the tail is the quantile of (docs/research/2026-12-router-tail-guard.md: 2,000 kept every
 #: goal of the routing study, 1,000 did not).
 WINDOW = 2000
 

@@ -43,7 +43,7 @@ FROM nodes n ORDER BY node_id
 PREFIX_MATCHES = "SELECT node_id, blocks, gpu, leaf_priority FROM kvflow_prefix_matches($1::bytea)"
 # The same for a fleet of several block sizes, in one round trip: the prompt hashed in each size
 # ($2[i] in blocks of $1[i]), each matched by kvflow_prefix_matches (measured against one query per
-# size, run one after the other or at once on two connections: docs/router.md, "What it decides").
+# size, run one after the other or at once on two connections: docs/research/2026-12-router-mixed-block-size-query.md).
 PREFIX_MATCHES_BY_SIZE = """
 SELECT s.size, m.node_id, m.blocks, m.gpu, m.leaf_priority
 FROM unnest($1::integer[], $2::bytea[]) AS s(size, hashes) CROSS JOIN LATERAL kvflow_prefix_matches(s.hashes) AS m

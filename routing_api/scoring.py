@@ -1,6 +1,6 @@
 """KV-aware node selection: a pure function of the prompt's blocks, the nodes, and what they hold.
 
-Dynamo's cost, extended (DESIGN.md, "Routing cost")::
+Dynamo's cost, extended (docs/architecture.md#routing-cost)::
 
     cost = overlap_weight × prefill_blocks + decode_blocks
 

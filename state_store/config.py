@@ -1,7 +1,7 @@
 """The state store's settings: the database (``KVFLOW_DATABASE_…``) and the materializer
 (``KVFLOW_MATERIALIZER_…``).
 
-Two roles, two URLs (DESIGN.md, "PostgreSQL"): the owner/writer role used by migrations and the
+Two roles, two URLs (docs/architecture.md#postgresql): the owner/writer role used by migrations and the
 materializer, and the read-only role used by the routing API and analysts.
 """
 

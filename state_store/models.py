@@ -1,4 +1,4 @@
-"""SQLAlchemy 2 typed models of kvflow's tables (DESIGN.md, "PostgreSQL").
+"""SQLAlchemy 2 typed models of kvflow's tables (docs/architecture.md#postgresql).
 
 The schema itself is created by the Alembic migrations in ``migrations/`` (which also hold the
 views and the partition functions); these models mirror the tables for typed queries, and

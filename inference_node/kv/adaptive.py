@@ -1,7 +1,9 @@
 """Adaptive priorities: a cache without client hints that learns, online, what its traffic rewards.
 
 When a request brings no retention config, the core asks this policy for each new block's
-priority, and, when a block is reused, whether to raise it. The policy speaks only the core's own
+priority, and, when a block is reused, whether to raise it (through
+:class:`~inference_node.kv.adaptive_eviction.AdaptiveEviction`, its
+:class:`~inference_node.kv.policy.EvictionPolicy`; this module is what it learns). The policy speaks only the core's own
 language: priorities, which show up in events and SQL like any client's (it gives no retention
 durations), and eviction stays exactly "lowest priority first, least recently used first, leaves
 only". A client's explicit retention config always wins: the policy is never asked then, and a
@@ -36,7 +38,8 @@ blocks: 1.69 x LRU, strict bands 1.73 x); where it does not, they go first, as i
 (shifting_mix at 16,000 blocks: 1.0001 x LRU, where strict bands lost 0.17 %). An age with little
 evidence inherits the estimate of the ages below it (``life_prior_blocks``), and old counts fade
 (``life_half_events``).
-It replaces the recency band's ARC-style target of the previous version (docs/benchmarks.md).
+It replaces the recency band's ARC-style target of the previous version
+(docs/research/2026-12-adaptive-arc-target.md).
 A cache with a host tier has no life tables (its GPU blocks are evicted one by one, offloading
 them; measured on one tier only).
 
@@ -54,15 +57,12 @@ share of the capacity) replays every lookup, and the cache's own prefix hits on 
 are compared with the shadow's in a moving average (``guard_rate`` per lookup). While the bands
 are on, the shadow is plain LRU; when the cache falls behind it by more than ``guard_margin`` of
 the sampled blocks, the bands are turned off: every block in the frequency band returns to 35
-(the core's ``revoke_adaptive``) and reused ones stay at 35 — LRU, with only the junk band left
-(LRU with the junk band alone was never below LRU on any workload measured, and above it on the
-trace at 16,000 blocks, where the bands lose: docs/benchmarks.md). While they are off, the
-shadow is one of the bands (a probationary and a protected LRU list, the probationary one evicted
-first, with ghosts), and the bands return when it leads the cache by the same margin. Switching
-back and forth is allowed and on some traffic pays (the trace at 16,000 blocks: three switches,
-0.2687 against LRU's 0.2627 and ARC's 0.2703). One shadow runs at a time (the other keeps what it
-held; it is stale when its turn comes, which delays a switch back a little): two at once cost
-1.58 x plain priority eviction on the trace replay, one 1.39 x (docs/benchmarks.md).
+(``AdaptiveEviction._revoke``) and reused ones stay at 35 — LRU, with only the junk band left.
+While they are off, the shadow is one of the bands (a probationary and a protected LRU list, the
+probationary one evicted first, with ghosts), and the bands return when it leads the cache by the
+same margin. One shadow runs at a time (the other keeps what it held; it is stale when its turn
+comes, which delays a switch back a little). Measurements behind these choices:
+docs/research/2026-12-adaptive-guard.md.
 
 Its state is bounded: per-class counters, the ghosts (``ghost_capacity``), the shadows (about
 ``shadow_sample_blocks`` blocks each; the bands' shadow remembers 4 x as many ghosts).
@@ -85,7 +85,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from eventbus.protocol import DEFAULT_PRIORITY
+from inference_node.kv.adaptive_settings import DEMOTED_PRIORITY, FREQUENCY_PRIORITY, RECENCY_PRIORITY, AdaptivePolicy
 from inference_node.kv.eviction import NUM_PRIORITIES
 from inference_node.kv.lifetables import FREQUENCY_BAND, RECENCY_BAND
 from inference_node.kv.shadows import CLASS_MASK, native_available, tables
@@ -93,12 +93,9 @@ from inference_node.kv.shadows import CLASS_MASK, native_available, tables
 if TYPE_CHECKING:
     from inference_node.kv.block import Block
 
-#: The recency band (ARC's T1, S3-FIFO's small FIFO) and the frequency band (T2, the main FIFO).
-RECENCY_PRIORITY = DEFAULT_PRIORITY
-FREQUENCY_PRIORITY = DEFAULT_PRIORITY + 1
-#: The frequency band's oldest blocks, lowered by the core when the life tables rate them below the
-#: recency band's oldest, so that eviction takes them first (the junk band still goes before).
-DEMOTED_PRIORITY = DEFAULT_PRIORITY - 1
+__all__ = ["DEMOTED_PRIORITY", "FREQUENCY_PRIORITY", "NUM_CLASSES", "RECENCY_PRIORITY", "AdaptiveLearner",
+           "AdaptivePolicy", "BlockContext"]
+
 #: Class ids: 0..31 new prompt blocks, 64..67 decode blocks, 68..71 reused blocks (32..63 unused).
 _DIST = (0, 1, 2, 2, 3)  # distance from the prompt's end -> bucket (4+ -> 3)
 _REUSE_CLASSES = 4
@@ -140,76 +137,6 @@ class BlockContext:
     prompt_blocks: int  # full blocks of the prompt
     matched_blocks: int  # prompt blocks the request found cached
     is_decode: bool  # holds generated tokens only
-
-
-@dataclass(frozen=True)
-class AdaptivePolicy:
-    """The adaptive policy's settings (see the module docstring); what it learns lives in an
-    :class:`AdaptiveLearner`, one per cache. Which data chose the defaults: docs/benchmarks.md
-    ("Adaptive eviction")."""
-
-    #: A class reused less often than this is junk: stored at ``junk_priority``.
-    junk_probability: float = 0.1
-    junk_priority: int = 5
-    #: The reuse probability a class starts from, weighted as ``min_samples`` observations.
-    prior_probability: float = 0.25
-    min_samples: float = 20.0
-    #: Exponential forgetting of old observations (1.0 = keep all), per observation of a class.
-    decay: float = 0.99
-    #: Evicted blocks remembered for the classes' counts (digest -> class), so that a later miss
-    #: on one counts as the reuse it would have been. In blocks; 0 = 4 x the cache.
-    ghost_capacity: int = 0
-    #: The sampled blocks each shadow aims to hold: the sampling rate is
-    #: ``min(1, shadow_sample_blocks / capacity)``.
-    shadow_sample_blocks: int = 2048
-    #: Weight of one lookup in the guard's moving average of (own - LRU) sampled hits.
-    guard_rate: float = 0.002
-    #: The lead, in sampled hits per sampled block, that turns the bands off (or on again).
-    guard_margin: float = 0.003
-    #: Observations between two computations of the class table.
-    table_every: int = 512
-    #: If > 0, a block in the frequency band keeps it only this many *horizons* (how long the LRU
-    #: shadow keeps a block: the age of its oldest entry) after it was last used, then falls back
-    #: to 35. Off by default; 2 (with ``soon_share`` 0.3) is what a KV-aware routed fleet wanted in
-    #: the simulator (docs/benchmarks.md, "The bands lose in a routed fleet").
-    frequency_horizons: float = 0.0
-    #: If > 0, a new block of a class goes straight to the frequency band when at least this share
-    #: of the class's observations were reuses *soon*: within as many block releases as the cache
-    #: holds blocks (where LRU would have hit them). Off by default; 0.3 behind a KV-aware router.
-    soon_share: float = 0.0
-    #: Life tables (module docstring): the core weighs the frequency band's oldest block against
-    #: the recency band's by the chance that a block of its band and age is used again. Off: the
-    #: recency band always goes first (strict bands).
-    life_tables: bool = True
-    #: The evidence, in blocks, that an age bucket needs to outweigh the estimate of the younger
-    #: ages (the prior's weight).
-    life_prior_blocks: float = 800.0
-    #: The tables' counts of hits and evictions are halved every so many of them.
-    life_half_events: int = 4096
-    #: Lookups between two computations of the tables' estimates.
-    life_every: int = 16
-    #: Keep the ghosts, the guard's shadows and the life tables in the compiled tables of
-    #: ``kvflow_native`` when it is installed (the same decisions as the Python ones, call for
-    #: call; only faster: :mod:`inference_node.kv.shadows`).
-    compiled: bool = True
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.junk_priority < DEMOTED_PRIORITY:
-            raise ValueError(f"junk_priority must be within 0..{DEMOTED_PRIORITY - 1}, got {self.junk_priority}")
-        if not 0 < self.decay <= 1:
-            raise ValueError("decay must be within (0, 1]")
-        if not 0 < self.guard_rate <= 1:
-            raise ValueError("guard_rate must be within (0, 1]")
-        if self.guard_margin < 0:
-            raise ValueError("guard_margin must not be negative")
-        if self.frequency_horizons < 0:
-            raise ValueError("frequency_horizons must not be negative")
-        if not 0 <= self.soon_share <= 1:
-            raise ValueError("soon_share must be within [0, 1]")
-        if self.life_prior_blocks < 0:
-            raise ValueError("life_prior_blocks must not be negative")
-        if self.life_half_events < 1 or self.life_every < 1:
-            raise ValueError("life_half_events and life_every must be at least 1")
 
 
 @dataclass
@@ -256,8 +183,8 @@ class AdaptiveLearner:
         self.switches = 0
         self._ranks: list[int] | None = None
         self._dirty = 0
-        #: Set when the guard turns the bands off: the core then returns every block the policy
-        #: raised above 35 to 35 (``BlockPool.revoke_adaptive``) and clears it.
+        #: Set when the guard turns the bands off: the policy then returns every block it raised
+        #: above 35 to 35 (``AdaptiveEviction._revoke``) and clears it.
         self.revoke_due = False
         #: The last looked-up prompt's blocks that were ghosts: index -> reuses it counts as.
         self._returning: dict[int, int] = {}

@@ -53,7 +53,7 @@ class Block:
 
     NOTE: ``BlockPool.store_prompt`` creates blocks inline (``object.__new__`` and every slot set
     there, without a call to ``__init__`` per block: one of the inlinings that brought
-    ``kvflow bench kv``'s ``cost_vs_lru`` under 2, docs/benchmarks.md): a slot added here must be
+    ``kvflow bench kv``'s ``cost_vs_lru`` under 2, docs/benchmarks.md#cost-of-the-core): a slot added here must be
     set there too.
     """
 

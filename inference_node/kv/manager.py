@@ -4,7 +4,7 @@ Pure Python, synchronous and deterministic: no torch, no I/O, time from an injec
 model layer owns the tensors; this core owns the *bookkeeping* and tells its caller which slot
 holds which block and which copies between tiers to perform (:class:`BlockCopy`).
 
-Semantics (DESIGN.md, "Reference semantics", TensorRT-LLM's, reproduced):
+Semantics (docs/architecture.md#retention-and-eviction: TensorRT-LLM's, reproduced):
 
 * Blocks hold ``block_size`` tokens; only full blocks are cached and shared, keyed on their
   32-byte chained digest. A request reuses the longest cached prefix of its full blocks.
@@ -29,12 +29,15 @@ on overflow the queued events are dropped, counted, and replaced by a ``snapshot
 drain, with no gap in ``event_id``.
 
 The manager decides what happens to requests (which blocks a prompt needs, which retention they
-take: :mod:`~inference_node.kv.retention`, :mod:`~inference_node.kv.adaptive`) and has the
-:class:`~inference_node.kv.pool.BlockPool` do it to blocks; the pool keeps each tier's order in an
-:class:`~inference_node.kv.eviction.EvictionIndex` (changed only through its methods) and reports
-every change to the :class:`~eventbus.events.EventLog`. The block record and its states
-are :mod:`~inference_node.kv.block`; the public value types live in
-:mod:`~inference_node.kv.types` and are re-exported here.
+take: a client's :mod:`~inference_node.kv.retention` config, else the policy's) and has the
+:class:`~inference_node.kv.pool.BlockPool` do it to blocks. The pool is mechanical and reports
+every change to the :class:`~eventbus.events.EventLog`; what decides — each tier's eviction order
+(an :class:`~inference_node.kv.eviction.EvictionIndex`), the retention clocks, the priorities of
+requests without hints — is the cache's :class:`~inference_node.kv.policy.EvictionPolicy`:
+:class:`~inference_node.kv.policy.PriorityRetention` (TensorRT-LLM's), or
+:class:`~inference_node.kv.adaptive_eviction.AdaptiveEviction` when ``KvCacheConfig.adaptive`` is
+set. The block record and its states are :mod:`~inference_node.kv.block`; the public value types
+live in :mod:`~inference_node.kv.types` and are re-exported here.
 
 Complexity: lookups are dict operations; the eviction order is kept per tier by
 :class:`~inference_node.kv.eviction.EvictionIndex` (O(1) for the common operations, O(log n) at
@@ -43,20 +46,30 @@ worst); expiries use a binary heap with lazy deletion.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from eventbus.events import EventLog
 from eventbus.hashing import block_digest
-from eventbus.protocol import DEFAULT_PRIORITY, BlockDigest, Created, Event, SnapshotBlock
-from inference_node.kv.adaptive import AdaptiveLearner, BlockContext
+from eventbus.protocol import BlockDigest, Created, Event, SnapshotBlock
+from inference_node.kv.adaptive import AdaptiveLearner
+from inference_node.kv.adaptive_eviction import AdaptiveEviction
 from inference_node.kv.block import GPU, HOST, Block
 from inference_node.kv.clock import Clock, monotonic
-from inference_node.kv.pool import BlockPool, Retentions
+from inference_node.kv.policy import EvictionPolicy, PriorityRetention, Retention, Retentions
+from inference_node.kv.pool import BlockPool
 from inference_node.kv.prompt import Prompt
 from inference_node.kv.retention import KvCacheRetentionConfig
 from inference_node.kv.types import Allocation, BlockCopy, KvCacheConfig, KvStats, OutOfBlocks
 
-__all__ = ["GPU", "HOST", "Allocation", "BlockCopy", "KVCacheManager", "KvCacheConfig", "KvStats", "OutOfBlocks"]
+__all__ = ["GPU", "HOST", "Allocation", "BlockCopy", "KVCacheManager", "KvCacheConfig", "KvStats", "OutOfBlocks",
+           "policy_for"]
+
+
+def policy_for(config: KvCacheConfig) -> EvictionPolicy:
+    """The eviction policy a configuration asks for: the adaptive policy when
+    ``config.adaptive`` holds its settings, else TensorRT-LLM's priority + retention."""
+    if config.adaptive is not None:
+        return AdaptiveEviction(config.adaptive, config.num_gpu_blocks + config.num_host_blocks,
+                                tiered=config.num_host_blocks > 0)
+    return PriorityRetention()
 
 
 class _Request:
@@ -77,17 +90,18 @@ class _Request:
 class KVCacheManager:
     """One node's KV cache bookkeeping (see the module docstring for the semantics)."""
 
-    def __init__(self, config: KvCacheConfig, clock: Clock = monotonic) -> None:
+    def __init__(self, config: KvCacheConfig, clock: Clock = monotonic, policy: EvictionPolicy | None = None) -> None:
+        """``policy``: the cache's eviction policy (a new one per cache; default
+        :func:`policy_for` the configuration)."""
         self.config = config
         self.clock = clock
         self.block_size = config.block_size
         self._requests: dict[str, _Request] = {}
         self.stats = KvStats()
-        self._adaptive = None if config.adaptive is None else AdaptiveLearner(
-            config.adaptive, config.num_gpu_blocks + config.num_host_blocks, tiered=config.num_host_blocks > 0)
+        self._policy = policy_for(config) if policy is None else policy
         self._events = EventLog(window_size=config.window_size, max_queued=config.max_queued_events,
                                 snapshot_part_blocks=config.snapshot_part_blocks, stats=self.stats)
-        self._pool = BlockPool(config, clock, self.stats, self._events, self._adaptive)
+        self._pool = BlockPool(config, clock, self.stats, self._events, self._policy)
         self._events.emit(Created(num_blocks_per_cache_level=[config.num_gpu_blocks, config.num_host_blocks]))
         self._events.snapshot(self._pool.cached_blocks())
 
@@ -110,8 +124,9 @@ class KVCacheManager:
         if num_tokens <= 0:
             raise ValueError("a prompt needs at least one token")
         pool = self._pool
-        if pool.expiries:
-            pool.expire()
+        policy = self._policy
+        if policy.expiries:
+            policy.expire()
         pool.copies = []
         n_blocks = -(-num_tokens // self.block_size)
         digests = prompt.digests
@@ -124,16 +139,19 @@ class KVCacheManager:
         n_matched = len(blocks)
         n_onboard = len(onboard)
         new_slots = pool.onboard(onboard, slots) if onboard else slots
-        hinted = retention is not None or self._adaptive is not None
-        if hinted:
-            self._reprioritize(blocks, digests, retention, num_tokens)
+        policy.lookup(digests, blocks)
+        if retention is not None:
+            self._reprioritize(blocks, retention, num_tokens)
+            retentions: Retentions | None = self._retentions(prompt, retention, n_matched, n_blocks)
+        else:
+            policy.reused(blocks)
+            retentions = policy.prompt_retention(len(digests), n_matched, min(len(digests), n_blocks))
         if n_matched:
             block_table = [b.slot for b in blocks]
             block_table += new_slots
         else:
             block_table = new_slots.copy()
-        pool.store_prompt(prompt, blocks, new_slots, n_blocks,
-                          self._retentions(prompt, retention, n_matched, n_blocks) if hinted else None)
+        pool.store_prompt(prompt, blocks, new_slots, n_blocks, retentions)
 
         hit_tokens = n_matched * self.block_size
         st = self.stats
@@ -200,14 +218,13 @@ class KVCacheManager:
         evicted before its head.
         """
         req = self._requests.pop(request_id)
-        pool = self._pool
-        if pool.expiries:
-            pool.expire()
-        pool.release_request(req.blocks)
+        if self._policy.expiries:
+            self._policy.expire()
+        self._pool.release_request(req.blocks)
 
     def tick(self) -> None:
         """Apply retention expiries due by now (allocate/free do this too)."""
-        self._pool.expire()
+        self._policy.expire()
 
     # ------------------------------------------------------------------ public: queries
 
@@ -258,9 +275,15 @@ class KVCacheManager:
         return self._pool.evictable_blocks
 
     @property
+    def policy(self) -> EvictionPolicy:
+        """The cache's eviction policy."""
+        return self._policy
+
+    @property
     def adaptive(self) -> AdaptiveLearner | None:
         """What the adaptive policy has learned (None without one)."""
-        return self._adaptive
+        learner = self._policy.learner
+        return learner if isinstance(learner, AdaptiveLearner) else None
 
     def cached_blocks(self) -> list[SnapshotBlock]:
         """The cache's ground truth, parents before children (as in a ``snapshot``)."""
@@ -297,49 +320,26 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ retention decisions
 
-    def _reprioritize(self, blocks: list[Block], digests: Sequence[BlockDigest],
-                      retention: KvCacheRetentionConfig | None, num_tokens: int) -> None:
-        """The reused ``blocks`` take the request's retention config, or what the adaptive policy
-        raises them to (it also learns from the lookup)."""
-        adaptive = self._adaptive
-        if adaptive is not None:
-            adaptive.on_lookup(digests, len(blocks), self.clock(), self._pool.tick)
-            if blocks:
-                adaptive.taken(blocks)  # before a revoke: they left their bands as they were
-            if adaptive.revoke_due:
-                adaptive.revoke_due = False
-                self._pool.revoke_adaptive()
+    def _reprioritize(self, blocks: list[Block], retention: KvCacheRetentionConfig, num_tokens: int) -> None:
+        """The reused ``blocks`` take the request's retention config: the client's now (the
+        policy neither learns from nor revokes them)."""
         bs = self.block_size
-        set_priority = self._pool.set_priority
+        set_priority = self._policy.set_priority
         for i, b in enumerate(blocks):
-            if retention is not None:
-                prio, dur = retention.block_retention(i * bs, (i + 1) * bs, num_tokens)
-                set_priority(b, prio, dur)
-                b.adaptive_class = -1  # the client's now: the policy neither learns from nor revokes it
-            elif adaptive is not None:
-                raised = adaptive.on_reuse(b.adaptive_class, b.priority, b.hits - 1, b.last_used)
-                if raised is not None and raised[0] >= b.priority:
-                    set_priority(b, raised[0], raised[1])
-                    b.adaptive_class = raised[2]
+            prio, dur = retention.block_retention(i * bs, (i + 1) * bs, num_tokens)
+            set_priority(b, prio, dur)
+            b.adaptive_class = -1
 
-    def _retentions(self, prompt: Prompt, retention: KvCacheRetentionConfig | None, matched: int,
+    def _retentions(self, prompt: Prompt, retention: KvCacheRetentionConfig, matched: int,
                     n_blocks: int) -> Retentions:
         """The retention of a prompt's new full blocks (from the first unmatched one)."""
-        n_full = len(prompt.digests)
-        end = min(n_full, n_blocks)
-        if retention is None:
-            assert self._adaptive is not None
-            return self._adaptive.prompt_retention(n_full, matched, end)
+        end = min(len(prompt.digests), n_blocks)
         n, bs = prompt.num_tokens, self.block_size
         return [(*retention.block_retention(i * bs, (i + 1) * bs, n), -1) for i in range(matched, end)]
 
     def _new_block_retention(self, retention: KvCacheRetentionConfig | None, lo: int, prompt_len: int,
-                             index: int, prompt_blocks: int, matched: int) -> tuple[int, float | None, int]:
+                             index: int, prompt_blocks: int, matched: int) -> Retention:
         """Priority, duration and adaptive class of a new block holding tokens from ``lo``."""
         if retention is not None:
             return (*retention.block_retention(lo, lo + self.block_size, prompt_len), -1)
-        if self._adaptive is not None:
-            return self._adaptive.new_block(
-                BlockContext(index=index, prompt_blocks=prompt_blocks, matched_blocks=matched,
-                             is_decode=lo >= prompt_len))
-        return DEFAULT_PRIORITY, None, -1
+        return self._policy.new_block(index, prompt_blocks, matched, lo >= prompt_len)

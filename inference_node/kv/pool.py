@@ -1,10 +1,12 @@
-"""The blocks of one cache: the slots of both tiers, the cached blocks by digest, each tier's
-eviction order, retention clocks, and every move of a block between them.
+"""The blocks of one cache: the slots of both tiers, the cached blocks by digest, and every move
+of a block between them.
 
-:class:`BlockPool` does what happens to blocks — take a cached prefix into use, find slots
-(evicting, offloading), onboard, cache new blocks, release them, re-prioritize, expire, remove —
-and reports each change to the :class:`~eventbus.events.EventLog`, the adaptive
-policy's :class:`~inference_node.kv.adaptive.AdaptiveLearner` and :class:`KvStats`. The
+:class:`BlockPool` is mechanical: it does what happens to blocks — take a cached prefix into use,
+find slots (evicting, offloading), onboard, cache new blocks, release them, remove them — and
+reports each change to the :class:`~eventbus.events.EventLog` and :class:`KvStats`. Which block
+goes next, and every priority, is the :class:`~inference_node.kv.policy.EvictionPolicy`'s: the
+pool asks it for victims and tells it what happened (freed, reused, moved, evicted), through its
+methods and its tiers' free-block orders. The
 :class:`~inference_node.kv.manager.KVCacheManager` decides what happens to *requests* (which
 blocks a prompt needs, which retention they take) and calls it. The semantics are the manager's
 module docstring's.
@@ -12,7 +14,6 @@ module docstring's.
 
 from __future__ import annotations
 
-import heapq
 import struct
 from collections.abc import Sequence
 
@@ -23,22 +24,16 @@ from eventbus.protocol import (
     BlockDigest,
     BlockHash,
     LevelDiff,
-    PriorityDiff,
     SnapshotBlock,
     Stored,
     StoredBlock,
     Updated,
 )
-from inference_node.kv.adaptive import DEMOTED_PRIORITY, FREQUENCY_PRIORITY, RECENCY_PRIORITY, AdaptiveLearner
 from inference_node.kv.block import GPU, HOST, IN_LIST, NOT_EVICTABLE, Block
 from inference_node.kv.clock import Clock
-from inference_node.kv.eviction import EvictionIndex
-from inference_node.kv.lifetables import NUM_BUCKETS, TIE_ABOVE, TIE_BELOW
+from inference_node.kv.policy import EvictionPolicy, Retentions
 from inference_node.kv.prompt import Prompt
 from inference_node.kv.types import BlockCopy, KvCacheConfig, KvStats, OutOfBlocks
-
-#: Priority, retention duration and adaptive class of the i-th block of a prompt.
-Retentions = Sequence[tuple[int, float | None, int]]
 
 _new_object = object.__new__  # a Block without the call to __init__ (store_prompt sets every slot)
 _HASH_OF = struct.Struct(">Q").unpack_from  # eventbus.hashing.block_hash, as a 1-tuple
@@ -48,13 +43,12 @@ class BlockPool:
     """Blocks, slots and eviction of one cache (see the module docstring)."""
 
     def __init__(self, config: KvCacheConfig, clock: Clock, stats: KvStats, events: EventLog,
-                 adaptive: AdaptiveLearner | None) -> None:
+                 policy: EvictionPolicy) -> None:
         self.config = config
         self.block_size = config.block_size
-        self._clock = clock
         self._stats = stats
         self._events = events
-        self._adaptive = adaptive
+        self._policy = policy
         self._host_enabled = config.num_host_blocks > 0
         # NOTE: free lists pop from the end; reversed so that slot 0 is handed out first.
         self._free: list[list[int]] = [
@@ -63,13 +57,10 @@ class BlockPool:
         ]
         #: Cached blocks by digest (read it; only the pool changes it).
         self.cached: dict[BlockDigest, Block] = {}
-        self._index = [EvictionIndex(GPU), EvictionIndex(HOST)]
-        #: Retention timers, a heap of (deadline, uid, expiry_version, block) with lazy deletion
-        #: (read it, e.g. to skip calling :meth:`expire` when it is empty; only the pool changes it).
-        self.expiries: list[tuple[float, int, int, Block]] = []
+        #: The policy's free-block order of each tier, told here what the pool does to blocks.
+        self._orders = policy.orders
+        policy.attach(clock, events, stats, self.cached)
         self._uid = 0
-        self._tick = 0
-        self._clocks: list[Block] = []  # blocks a release made evictable whose clocks start (reused)
         #: Copies for the model layer, in order, since the caller last took them.
         self.copies: list[BlockCopy] = []
 
@@ -91,7 +82,7 @@ class BlockPool:
         blocks: list[Block] = []
         onboard: list[Block] = []
         n_listed = 0  # evictable GPU blocks taken into use that stay in their lists, pinned
-        gpu_index = self._index[GPU]
+        gpu_index = self._orders[GPU]
         get = self.cached.get
         for d in digests:
             b = get(d)
@@ -100,10 +91,11 @@ class BlockPool:
             if not b.ref:
                 if b.duration is not None:
                     # The retention clock stops while the block is in use. An evictable block has a
-                    # live expiry entry only while it has a duration (_start_clocks, expire).
+                    # live expiry entry only while it has a duration (EvictionPolicy.release, expire). NOTE: the
+                    # policy's clock, stopped inline: this loop runs for every reused block.
                     b.expiry_version += 1
                 if b.level:
-                    self._index[HOST].discard(b)
+                    self._orders[HOST].discard(b)
                 elif b.evict_state == IN_LIST:
                     n_listed += 1
                 else:
@@ -132,11 +124,10 @@ class BlockPool:
             self._evict_gpu(needed - n_free, slots)
         except OutOfBlocks:
             free.extend(reversed(slots))
-            adaptive = self._adaptive
+            given_back = self._policy.given_back
             for b in reversed(blocks):
                 b.hits -= 1
-                if adaptive is not None:
-                    adaptive.given_back(b)
+                given_back(b)
                 self.release(b)
             raise OutOfBlocks(f"needs {needed} GPU blocks; only {len(slots)} could be freed") from None
         return blocks, onboard, slots
@@ -229,8 +220,8 @@ class BlockPool:
         Raises:
             OutOfBlocks: no GPU slot can be freed.
         """
-        if self.expiries:
-            self.expire()
+        if self._policy.expiries:
+            self._policy.expire()
         try:
             slot = self._take_gpu_slot()
         finally:
@@ -258,76 +249,13 @@ class BlockPool:
         """A request finished: its blocks are released tail first (within a priority a sequence's
         tail is then evicted before its head); private ones are freed. Blocks in use are on the
         GPU."""
-        clocks = self._clocks
-        first = self._tick + 1
-        self._tick = self._index[GPU].release(reversed(blocks), self._tick, self._free[GPU], clocks)
-        if clocks:
-            self._start_clocks()
-        if self._adaptive is not None and self._tick >= first:
-            self._adaptive.released(self._index[GPU].arrived, first)
+        self._policy.release(reversed(blocks), GPU, self._free[GPU])
 
     def release(self, b: Block) -> None:
         """One request less uses ``b`` (on either tier; a cached block)."""
-        clocks = self._clocks
-        first = self._tick + 1
-        self._tick = self._index[b.level].release((b,), self._tick, self._free[b.level], clocks)
-        if clocks:
-            self._start_clocks()
-        if self._adaptive is not None and self._tick >= first:
-            self._adaptive.released(self._index[b.level].arrived, first)
-
-    def set_priority(self, b: Block, priority: int, duration: float | None) -> None:
-        """Re-prioritize ``b`` (``updated`` if its priority changes)."""
-        b.duration = duration
-        if priority != b.priority:
-            old = b.priority
-            self._index[b.level].rekey(b, priority)
-            self._stats.reprioritizations += 1
-            self._events.emit(Updated(block_hash=b.hash, priority=PriorityDiff(old=old, new=priority)))
-
-    def expire(self) -> None:
-        """Retention durations that ran out by now: their blocks fall back to the default priority."""
-        heap = self.expiries
-        if not heap:
-            return
-        now = self._clock()
-        while heap and heap[0][0] <= now:
-            _, _, version, b = heapq.heappop(heap)
-            if version != b.expiry_version or b.digest is None:
-                continue
-            b.duration = None
-            self._stats.expirations += 1
-            if b.priority != DEFAULT_PRIORITY:
-                old = b.priority
-                self._index[b.level].rekey(b, DEFAULT_PRIORITY)
-                if self._adaptive is not None and not b.ref:
-                    self._adaptive.moved(b, old)
-                self._events.emit(Updated(block_hash=b.hash, priority=PriorityDiff(old=old, new=DEFAULT_PRIORITY)))
-
-    def revoke_adaptive(self) -> None:
-        """The adaptive policy turned its bands off (its guard): every block it raised above the
-        default priority returns to it, at its place in recency (``updated`` for each), as does a
-        block it demoted (``DEMOTED_PRIORITY``), and a duration it gave ends; its junk band stays.
-        Blocks a client's retention config set are left alone."""
-        for b in self.cached.values():
-            if b.adaptive_class < 0:
-                continue
-            if b.duration is not None:
-                b.duration = None
-                b.expiry_version += 1  # its expiry entry goes stale
-            if b.priority > DEFAULT_PRIORITY or b.priority == DEMOTED_PRIORITY:
-                old = b.priority
-                self._index[b.level].rekey(b, DEFAULT_PRIORITY)
-                if not b.ref:
-                    self._adaptive.moved(b, old)  # type: ignore[union-attr]
-                self._events.emit(Updated(block_hash=b.hash, priority=PriorityDiff(old=old, new=DEFAULT_PRIORITY)))
+        self._policy.release((b,), b.level, self._free[b.level])
 
     # ------------------------------------------------------------------ queries
-
-    @property
-    def tick(self) -> int:
-        """The last release tick handed out (``Block.last_used`` counts in it)."""
-        return self._tick
 
     @property
     def used_blocks(self) -> tuple[int, int]:
@@ -338,7 +266,7 @@ class BlockPool:
     @property
     def evictable_blocks(self) -> tuple[int, int]:
         """Blocks that eviction could take right now, per tier."""
-        return self._index[GPU].count, self._index[HOST].count
+        return self._orders[GPU].count, self._orders[HOST].count
 
     def cached_blocks(self) -> list[SnapshotBlock]:
         """The cache's ground truth, parents before children (as in a ``snapshot``)."""
@@ -358,30 +286,19 @@ class BlockPool:
 
     # ------------------------------------------------------------------ internals
 
-    def _start_clocks(self) -> None:
-        """Start the clocks of the blocks the last release made evictable (``_clocks``: each has a
-        duration)."""
-        now = self._clock()
-        push, heap = heapq.heappush, self.expiries
-        for b in self._clocks:
-            b.expiry_version += 1
-            push(heap, (now + b.duration, b.uid, b.expiry_version, b))  # type: ignore[operator]
-        self._clocks.clear()
-
     def _evict_gpu(self, k: int, slots: list[int]) -> None:
         """Evict ``k`` GPU blocks (the free list is empty), appending their slots to ``slots``.
 
         With a host tier, one victim at a time (:meth:`_take_gpu_slot`: it may offload).
-        Otherwise the victims come in runs (:meth:`EvictionIndex.take`, which also updates their
-        parents) and leave the cache here; the adaptive policy hears of them in one call, and
-        their removals go in one event.
+        Otherwise the victims come in runs (the policy's :meth:`~EvictionPolicy.victims`: the
+        order also updates their parents) and leave the cache here; the policy hears of them in
+        one call, and their removals go in one event.
 
         Raises:
             OutOfBlocks: no evictable block is left (``slots`` holds those taken so far).
         """
-        adaptive = self._adaptive
-        if adaptive is not None and adaptive.life is not None and adaptive.bands:
-            self._replace(k)
+        policy = self._policy
+        policy.before_eviction(k)
         if self._host_enabled:
             take_slot = self._take_gpu_slot
             try:
@@ -390,17 +307,17 @@ class BlockPool:
             finally:
                 self._events.close_removed()
             return
-        index = self._index[GPU]
+        take = policy.victims
         cached = self.cached
         evictions = self._stats.evictions_by_priority
         append_slot = slots.append
         hashes: list[BlockHash] = []
         append_hash = hashes.append
-        victims: list[Block] = []  # for the adaptive policy, in one call (their digests still set)
+        victims: list[Block] = []  # for the policy, in one call (their digests still set)
         runs: list[list[Block]] = []
         try:
             while k:
-                run = index.take(k)
+                run = take(k)
                 if not run:
                     raise OutOfBlocks("every GPU block is in use")
                 p = run[0].priority
@@ -417,68 +334,18 @@ class BlockPool:
                 victims += run
                 runs.append(run)
         finally:
-            if adaptive is not None and victims:
-                adaptive.on_evict(victims, self._tick, runs)
+            if victims:
+                policy.evicted(victims, runs)
             for b in victims:
                 b.digest = None  # its expiry entries are stale for good
             self._events.removed(hashes, close=True)
-
-    def _replace(self, k: int) -> None:
-        """The adaptive policy's life tables before ``k`` evictions: the frequency band's oldest
-        evictable blocks that the tables rate lower than the recency band's oldest
-        (:meth:`~inference_node.kv.lifetables.LifeTables.frequency_first`: less likely to be used
-        again at their age, or about as likely and older), up to the victims that the junk band (and
-        blocks demoted before) do not provide, go to ``DEMOTED_PRIORITY`` (``updated`` for each;
-        a duration they had ends), where eviction takes them before the recency band. A client's
-        block at 36 is the client's: never demoted."""
-        index = self._index[GPU]
-        adaptive = self._adaptive
-        assert adaptive is not None and adaptive.life is not None
-        k -= index.listed_below(RECENCY_PRIORITY)
-        if k <= 0:
-            return
-        r = next(index.front(RECENCY_PRIORITY), None)
-        if r is None:  # no recency block: eviction takes the frequency band anyway
-            return
-        tick = self._tick
-        p_recency, p_frequency = adaptive.life.p
-        last = NUM_BUCKETS - 1
-        # NOTE: LifeTables.frequency_first with age_bucket inlined: this runs before every
-        # eviction, and the walk goes on only over the blocks it demotes.
-        a_r = tick - r.last_used
-        n = a_r.bit_length()
-        b = 2 * n - 1 + ((a_r >> (n - 2)) & 1) if n > 1 else a_r
-        pr = p_recency[b if b < last else last]
-        demote: list[Block] = []
-        for f in index.front(FREQUENCY_PRIORITY):
-            if f.adaptive_class < 0:
-                continue
-            a_f = tick - f.last_used
-            n = a_f.bit_length()
-            b = 2 * n - 1 + ((a_f >> (n - 2)) & 1) if n > 1 else a_f
-            pf = p_frequency[b if b < last else last]
-            if pf > pr * TIE_ABOVE or (pf >= pr * TIE_BELOW and a_f <= a_r):
-                break
-            demote.append(f)
-            if len(demote) == k:
-                break
-        if not demote:
-            return
-        adaptive.life_demotions += len(demote)
-        for f in demote:
-            if f.duration is not None:
-                f.duration = None
-                f.expiry_version += 1
-            index.rekey(f, DEMOTED_PRIORITY)
-            self._events.emit(Updated(block_hash=f.hash, priority=PriorityDiff(old=FREQUENCY_PRIORITY,
-                                                                               new=DEMOTED_PRIORITY)))
 
     def _take_gpu_slot(self) -> int:
         """One GPU slot: a free one, or an evicted block's (offloaded when the host tier takes it)."""
         free = self._free[GPU]
         if free:
             return free.pop()
-        b = self._index[GPU].pop()
+        b = self._policy.victim(GPU)
         if b is None:
             raise OutOfBlocks("every GPU block is in use")
         slot = b.slot
@@ -487,7 +354,7 @@ class BlockPool:
             try:
                 host_slot = self._take_host_slot(allow_fail=b.children == 0)
             except OutOfBlocks:
-                self._index[GPU].add(b)  # it stays evictable on the GPU
+                self._orders[GPU].add(b)  # it stays evictable on the GPU
                 raise
         if host_slot is not None:
             self._offload(b, host_slot)
@@ -501,17 +368,17 @@ class BlockPool:
         b.level, b.slot = HOST, host_slot
         if b.parent is not None:
             b.parent.gpu_children -= 1
-            self._index[GPU].unpark(b.parent)
+            self._orders[GPU].unpark(b.parent)
         offloads = self._stats.offloads_by_priority
         offloads[b.priority] = offloads.get(b.priority, 0) + 1
         self._events.emit(Updated(block_hash=b.hash, cache_level=LevelDiff(old=GPU, new=HOST)))
-        self._index[HOST].add(b)
+        self._orders[HOST].add(b)
 
     def _take_host_slot(self, allow_fail: bool) -> int | None:
         free = self._free[HOST]
         if free:
             return free.pop()
-        b = self._index[HOST].pop()
+        b = self._policy.victim(HOST)
         if b is None:
             if allow_fail:
                 return None
@@ -524,8 +391,7 @@ class BlockPool:
         """``b`` (just taken from its tier's order) leaves the cache."""
         assert b.children == 0 and b.ref == 0 and b.digest is not None
         del self.cached[b.digest]
-        if self._adaptive is not None:
-            self._adaptive.on_evict((b,), self._tick)
+        self._policy.evicted((b,))
         evictions = self._stats.evictions_by_priority
         evictions[b.priority] = evictions.get(b.priority, 0) + 1
         p = b.parent
@@ -533,6 +399,6 @@ class BlockPool:
             p.children -= 1
             if b.level == GPU:
                 p.gpu_children -= 1
-            self._index[p.level].unpark(p)
+            self._orders[p.level].unpark(p)
         b.digest = None  # its expiry entries are stale for good
         self._events.removed((b.hash,))

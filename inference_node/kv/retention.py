@@ -3,13 +3,13 @@
 A request may carry token ranges, each with a priority (0 = evict first … 100) and a duration
 after which the priority falls back to the default (35). Blocks of generated tokens take the
 decode priority and duration. Ranges must not overlap. A block takes the highest priority among
-the ranges it overlaps (DESIGN.md; ties: the longest duration, ``None`` = never expires), the
-default where it overlaps none.
+the ranges it overlaps (docs/architecture.md#retention-and-eviction; ties: the longest duration,
+``None`` = never expires), the default where it overlaps none.
 
 NOTE: TensorRT-LLM's ``getPerBlockRetentionPriorityDuration`` gives a block the range that holds
-its *first* token; kvflow's contract (DESIGN.md) takes the highest overlapping range instead, so
-a block in which a high-priority range begins is kept at that priority. Both agree whenever
-ranges start on block boundaries.
+its *first* token; kvflow's contract takes the highest overlapping range instead, so a block in
+which a high-priority range begins is kept at that priority. Both agree whenever ranges start on
+block boundaries.
 """
 
 from __future__ import annotations

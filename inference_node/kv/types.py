@@ -11,7 +11,7 @@ from typing import Literal
 
 from eventbus.hashing import DEFAULT_BLOCK_SIZE
 from eventbus.protocol import DEFAULT_PRIORITY, EVENT_BLOCKS_CHUNK
-from inference_node.kv.adaptive import AdaptivePolicy
+from inference_node.kv.adaptive_settings import AdaptivePolicy
 
 
 class OutOfBlocks(RuntimeError):

@@ -3,8 +3,8 @@
 A benchmark measures its subject and its baseline *in the same run*, interleaved (A, B, A, B …)
 after warm-up rounds, so machine noise hits both alike; it reports medians with their spread, and
 ratios against the baseline. Output: a table on the terminal and, with ``--json FILE``,
-``{"benchmark", "figures", "baseline", "ratios", "environment", "details"}`` (DESIGN.md,
-"Benchmarks"), every figure a number with its unit in its name.
+``{"benchmark", "figures", "baseline", "ratios", "environment", "details"}`` (docs/architecture.md#benchmark-json),
+every figure a number with its unit in its name.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Revision ID: 0001
 Revises:
 Create Date: 2026-11-29
 
-The tables are DESIGN.md's SQL contract. Hashes are ``bigint``: the unsigned 64-bit
+The tables are kvflow's SQL contract (docs/architecture.md#postgresql). Hashes are ``bigint``: the unsigned 64-bit
 ``block_hash`` of the wire read as signed (``eventbus.hashing.to_sql``).
 """
 

@@ -29,7 +29,7 @@ def hash_check(request, monkeypatch):
         monkeypatch.setattr(p, "_first_beyond_u64", None)
     return request.param
 
-EXAMPLE = {  # DESIGN.md's example, verbatim in shape
+EXAMPLE = {  # docs/architecture.md#eventbatch's example, verbatim in shape
     "schema_version": 1, "node_id": "node-a", "instance_id": "6f1c0a", "ts": 1764412345.123,
     "events": [
         {"event_id": 0, "window_size": 4096, "data": {"type": "created", "num_blocks_per_cache_level": [4096, 16384]}},

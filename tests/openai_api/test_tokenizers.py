@@ -25,7 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-import openai_api.tokenizers as tk
+import openai_api.prefix_cache as pc
+from openai_api.prefix_cache import CHUNK_CHARS
 from openai_api.tokenizers import (
     CL100K_PATTERN,
     ByteTokenizer,
@@ -107,11 +108,11 @@ def sizes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> It
     """The cache's chunk and checkpoint sizes: as shipped (texts of ~300–1,500 characters), or
     tiny (texts of tens of characters; a cut every few tokens). Yields the texts' minimum length."""
     if request.param == "tiny":
-        monkeypatch.setattr(tk, "CHUNK_CHARS", 8)
-        monkeypatch.setattr(tk, "CHECKPOINT_TOKENS", 3)
+        monkeypatch.setattr(pc, "CHUNK_CHARS", 8)
+        monkeypatch.setattr(pc, "CHECKPOINT_TOKENS", 3)
         yield 8
     else:
-        yield tk.CHUNK_CHARS + 40
+        yield CHUNK_CHARS + 40
 
 
 fragment = st.one_of(st.sampled_from(FRAGMENTS), st.text(max_size=4))
@@ -186,7 +187,7 @@ def test_whitespace_apostrophes_and_digits_at_the_cut(trained: dict[str, Pair], 
 
 @pytest.mark.parametrize("kind", KINDS)
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(head=st.text(min_size=tk.CHUNK_CHARS + 10, max_size=2 * tk.CHUNK_CHARS),
+@given(head=st.text(min_size=CHUNK_CHARS + 10, max_size=2 * CHUNK_CHARS),
        tails=st.lists(st.text(max_size=60), min_size=1, max_size=4))
 def test_random_unicode(trained: dict[str, Pair], kind: str, head: str, tails: list[str]) -> None:
     pair = trained[kind]
