@@ -400,9 +400,8 @@ class Engine:
         stop token id, a stop string (the text before it is the answer) or ``max_tokens``."""
         self.stats.generated_tokens += 1
         req, token = run.req, sampled.token_id
-        eos = self.tokenizer.eos_token_id
         # with ignore_eos an EOS token is just a token
-        ends = (not req.ignore_eos and eos is not None and token == eos) or token in req.stop_token_ids
+        ends = (not req.ignore_eos and token in self.tokenizer.eos_token_ids) or token in req.stop_token_ids
         text, stopped = "", False
         if not ends:
             run.detok.add(token)

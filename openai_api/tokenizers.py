@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -37,13 +37,14 @@ from openai_api.prefix_cache import (
 
 __all__ = ["CL100K_PATTERN", "DEFAULT_CACHE_CHARS", "DEFAULT_CACHE_ENTRIES", "GPT2_PATTERN", "PROVEN_PATTERNS",
            "QWEN2_PATTERN", "ByteTokenizer", "HFTokenizer", "PrefixCache", "PrefixCacheStats", "Tokenizer",
-           "load_tokenizer", "prefix_cache_blocker"]
+           "eos_token_ids", "load_tokenizer", "prefix_cache_blocker"]
 
 
 class Tokenizer(Protocol):
     name: str
     vocab_size: int
-    eos_token_id: int | None
+    #: The ids that end a generation (the model folder's EOS: :func:`eos_token_ids`); empty: none.
+    eos_token_ids: tuple[int, ...]
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """The ids of ``text``; ``add_special_tokens=False``: without the post-processor's BOS/EOS
@@ -61,7 +62,7 @@ class ByteTokenizer:
 
     name = "bytes"
     vocab_size = 257
-    eos_token_id: int | None = 256
+    eos_token_ids: tuple[int, ...] = (256,)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
@@ -95,7 +96,7 @@ class HFTokenizer:
         self._tok = _Tok.from_file(str(path))
         self.name = f"hf:{path.parent.name}"
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self.eos_token_id = _eos_id(path, self._tok)
+        self.eos_token_ids = eos_token_ids(path.parent, self._tok.token_to_id)
         self._cache: PrefixCache | None = None
         spec: dict[str, Any] = json.loads(self._tok.to_str()) if prefix_cache else {}
         blocker = prefix_cache_blocker(spec) if prefix_cache else "turned off"
@@ -138,22 +139,36 @@ def _probe(tok: Any, cache: PrefixCache) -> str | None:
     return None
 
 
-def _eos_id(path: Path, tok: object) -> int | None:
-    """EOS from tokenizer_config.json / config.json next to tokenizer.json, when present."""
-    for name, key in (("tokenizer_config.json", "eos_token"), ("config.json", "eos_token_id")):
-        f = path.parent / name
+def eos_token_ids(folder: Path, token_to_id: Callable[[str], int | None]) -> tuple[int, ...]:
+    """The ids that end a generation, as transformers' ``generate`` takes them: the
+    ``eos_token_id`` of ``generation_config.json`` (an int or a list), else of ``config.json``,
+    else the tokenizer config's ``eos_token`` (a string or ``{"content": ...}``) as an id.
+
+    NOTE: the tokenizer config comes last on purpose: converters write it wrong (transformers'
+    GGUF import names SmolLM2's ``<|im_start|>`` as its EOS), and the model's own configs are what
+    transformers and vLLM honour.
+    """
+    for name, key in (("generation_config.json", "eos_token_id"), ("config.json", "eos_token_id")):
+        f = folder / name
         if not f.is_file():
             continue
         value = json.loads(f.read_text()).get(key)
+        if isinstance(value, bool):
+            continue
         if isinstance(value, int):
-            return value
+            return (value,)
+        if isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return tuple(dict.fromkeys(value))
+    f = folder / "tokenizer_config.json"
+    if f.is_file():
+        value = json.loads(f.read_text()).get("eos_token")
         if isinstance(value, dict):
             value = value.get("content")
         if isinstance(value, str):
-            tid = tok.token_to_id(value)  # type: ignore[attr-defined]
+            tid = token_to_id(value)
             if tid is not None:
-                return int(tid)
-    return None
+                return (int(tid),)
+    return ()
 
 
 def load_tokenizer(model_dir: str | Path | None, *, prefix_cache: bool | None = None) -> Tokenizer:

@@ -11,83 +11,25 @@ run on all new tokens together; attention runs per sequence over its keys gather
 pool, so a prefill whose prefix is cached computes only its new tokens.
 
 Weights: seeded random by default (nothing is ever downloaded), or a local Hugging Face folder
-(``config.json`` + ``*.safetensors``) with the standard Llama parameter names.
+(``config.json`` + ``*.safetensors``) with the standard Llama parameter names, its configuration
+read by :mod:`inference_node.model.config` (which refuses what this module does not compute). The
+node's math is checked against transformers' ``LlamaForCausalLM`` on the same weights
+(``tests/inference_node/test_reference_parity.py``).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-
-@dataclass(frozen=True)
-class ModelConfig:
-    vocab_size: int = 320
-    hidden_size: int = 128
-    intermediate_size: int = 352
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 8
-    num_key_value_heads: int = 2
-    max_position_embeddings: int = 4096
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-5
-    tie_word_embeddings: bool = False
-    name: str = "kvflow-tiny-llama"
-    extra: dict[str, object] = field(default_factory=dict, compare=False)
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    def __post_init__(self) -> None:
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError("hidden_size must be a multiple of num_attention_heads")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
-
-    @classmethod
-    def from_hf(cls, data: dict[str, Any], name: str) -> ModelConfig:
-        """From a Hugging Face ``config.json`` (LlamaConfig keys)."""
-        arch = data.get("architectures") or []
-        if arch and not any("Llama" in str(a) or "Mistral" in str(a) for a in arch):
-            raise ValueError(f"unsupported architecture {arch}: a Llama-family model is required")
-        heads = int(data["num_attention_heads"])
-        # Features this implementation does not compute must refuse, not load and compute wrongly.
-        if data.get("rope_scaling"):
-            raise ValueError(f"rope_scaling {data['rope_scaling']} is not supported (plain RoPE only)")
-        if data.get("sliding_window") and data.get("use_sliding_window", True):
-            raise ValueError(f"sliding_window {data['sliding_window']} is not supported (full attention only)")
-        if data.get("head_dim") and int(data["head_dim"]) * heads != int(data["hidden_size"]):
-            raise ValueError(f"head_dim {data['head_dim']} x {heads} heads != hidden_size {data['hidden_size']}: "
-                             "not supported")
-        return cls(
-            vocab_size=int(data["vocab_size"]),
-            hidden_size=int(data["hidden_size"]),
-            intermediate_size=int(data["intermediate_size"]),
-            num_hidden_layers=int(data["num_hidden_layers"]),
-            num_attention_heads=heads,
-            num_key_value_heads=int(data.get("num_key_value_heads") or heads),
-            max_position_embeddings=int(data.get("max_position_embeddings") or 4096),
-            rope_theta=float(data.get("rope_theta") or 10000.0),
-            rms_norm_eps=float(data.get("rms_norm_eps") or 1e-5),
-            tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
-            name=name,
-        )
-
-    def to_hf(self) -> dict[str, object]:
-        d = asdict(self)
-        d.pop("extra")
-        d.pop("name")
-        d.update({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-                  "torch_dtype": "float32"})
-        return d
+from inference_node.model.config import ModelConfig, rope_inv_freq
 
 
 class RMSNorm(nn.Module):
@@ -104,9 +46,8 @@ class RMSNorm(nn.Module):
         return out
 
 
-def rope_tables(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32)
-                                / head_dim))
+def rope_tables(positions: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
+    """cos and sin of each position, ``[T, head_dim]`` float32 (transformers' product, exactly)."""
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
@@ -231,6 +172,9 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # RoPE's inverse frequencies per device, float32 whatever the model's dtype (not a buffer:
+        # Module.to(dtype) would round it).
+        self._inv_freq: dict[torch.device, Tensor] = {}
 
     @classmethod
     def random(cls, cfg: ModelConfig, seed: int = 0) -> LlamaModel:
@@ -267,7 +211,10 @@ class LlamaModel(nn.Module):
             new_slots.extend(all_slots[item.start:].tolist())
         ids = torch.as_tensor(tokens, dtype=torch.long, device=device)
         x = self.embed_tokens(ids)
-        cos, sin = rope_tables(torch.as_tensor(positions, device=device), self.cfg.head_dim, self.cfg.rope_theta)
+        inv_freq = self._inv_freq.get(device)
+        if inv_freq is None:
+            inv_freq = self._inv_freq[device] = rope_inv_freq(self.cfg, device)
+        cos, sin = rope_tables(torch.as_tensor(positions, device=device), inv_freq)
         slots = torch.as_tensor(new_slots, dtype=torch.long, device=device)
         for i, module in enumerate(self.layers):
             layer = cast(DecoderLayer, module)
@@ -296,24 +243,24 @@ class LlamaModel(nn.Module):
 
     @classmethod
     def load_hf(cls, folder: str | Path) -> LlamaModel:
-        """Load Llama-architecture weights from a local Hugging Face folder (never downloads)."""
-        from safetensors.torch import load_file
-
+        """Load Llama-architecture weights from a local Hugging Face folder (never downloads):
+        ``config.json`` (:meth:`ModelConfig.from_hf`) and safetensors in fp32, bf16 or fp16, one
+        file or shards listed by ``model.safetensors.index.json``; the weights are held in fp32
+        (the caller moves them to its device and dtype)."""
         path = Path(folder)
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
             raise FileNotFoundError(f"{cfg_file} not found: --model-dir must be a Hugging Face model folder")
         cfg = ModelConfig.from_hf(json.loads(cfg_file.read_text()), name=path.name)
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors in {path}")
-        state: dict[str, Tensor] = {}
-        for f in files:
-            state.update(load_file(str(f)))
+        state = load_safetensors(path)
         model = cls(cfg)
         mapped = {_from_hf_name(k): v for k, v in state.items()}
         if cfg.tie_word_embeddings and "lm_head.weight" not in mapped:
-            mapped["lm_head.weight"] = mapped["embed_tokens.weight"]
+            mapped["lm_head.weight"] = mapped.get("embed_tokens.weight", torch.empty(0))
+        for k, v in mapped.items():
+            if v.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                raise ValueError(f"weight {k} has dtype {v.dtype}: fp32, bf16 or fp16 expected (quantized "
+                                 "checkpoints are not supported)")
         try:
             missing, unexpected = model.load_state_dict(mapped, strict=False)
         except RuntimeError as exc:  # shape mismatches: a config that does not describe these weights
@@ -322,6 +269,28 @@ class LlamaModel(nn.Module):
         if missing or unexpected:
             raise ValueError(f"weights do not match a Llama model: missing {missing[:5]}, unexpected {unexpected[:5]}")
         return model.eval()
+
+
+def load_safetensors(path: Path) -> dict[str, Tensor]:
+    """Every tensor of a folder's checkpoint: the shards ``model.safetensors.index.json`` lists
+    (its ``weight_map``), else every ``*.safetensors`` file."""
+    from safetensors.torch import load_file
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map") or {}
+        files = [path / f for f in sorted(set(weight_map.values()))]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise FileNotFoundError(f"{index.name} lists shards that are missing: {', '.join(absent[:3])}")
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    state: dict[str, Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
 
 
 def _to_hf_name(name: str) -> str:
@@ -339,4 +308,4 @@ def flops_per_token(cfg: ModelConfig) -> float:
     return 2.0 * (per_layer * cfg.num_hidden_layers + cfg.hidden_size * cfg.vocab_size)
 
 
-__all__ = ["KVPool", "LlamaModel", "ModelConfig", "SeqBatchItem", "copy_block", "flops_per_token"]
+__all__ = ["KVPool", "LlamaModel", "ModelConfig", "SeqBatchItem", "copy_block", "flops_per_token", "load_safetensors"]

@@ -88,7 +88,7 @@ def test_finish_reason_is_stop_only_for_an_eos_that_counts(node, monkeypatch):
     tokens, _ = generate(node, prompt, 3, request_id="probe")
     if tokens[2] in tokens[:2]:
         pytest.skip("the greedy continuation repeats a token")  # deterministic: the seeded tiny model
-    monkeypatch.setattr(node.engine.tokenizer, "eos_token_id", tokens[2])  # the 3rd token is now EOS
+    monkeypatch.setattr(node.engine.tokenizer, "eos_token_ids", (tokens[2],))  # the 3rd token is now EOS
     got, out = generate(node, prompt, 3, ignore_eos=True, request_id="ignore")
     assert got == tokens and out.finish_reason == "length"  # an ignored EOS is just a token
     got, out = generate(node, prompt, 8, request_id="honour")
@@ -142,23 +142,59 @@ def test_a_tokenizer_json_next_to_the_weights_is_used(tmp_path):
     t = load_tokenizer(tmp_path)
     assert isinstance(t, HFTokenizer)
     assert t.encode("hello kv flow nope") == [2, 3, 4, 0]
-    assert t.eos_token_id == 1
+    assert t.eos_token_ids == (1,)
     assert isinstance(load_tokenizer(None), ByteTokenizer)
     assert ByteTokenizer().encode("é") == [0xC3, 0xA9]
+
+
+def test_eos_comes_from_the_generation_config_then_the_model_config_then_the_tokenizer_config(tmp_path):
+    """As transformers' generate takes it (an int or a list); the tokenizer config comes last: a
+    converter that wrote it wrong (SmolLM2's ``<|im_start|>`` named EOS) changes nothing."""
+    from tokenizers import Tokenizer, models
+
+    vocab = {"<unk>": 0, "<|im_start|>": 1, "<|im_end|>": 2, "<|endoftext|>": 3, "hi": 4}
+    Tokenizer(models.WordLevel(vocab, unk_token="<unk>")).save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|im_start|>"}}))
+    assert load_tokenizer(tmp_path).eos_token_ids == (1,)
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2}))
+    assert load_tokenizer(tmp_path).eos_token_ids == (2,)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 3, 2]}))
+    assert load_tokenizer(tmp_path).eos_token_ids == (2, 3)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": False}))  # none there
+    assert load_tokenizer(tmp_path).eos_token_ids == (2,)
+
+
+def test_any_of_several_eos_ids_ends_a_sequence(node, monkeypatch):
+    prompt = list(range(40))
+    tokens, out = generate(node, prompt, 4, request_id="probe2")
+    assert out.finish_reason == "length"
+    monkeypatch.setattr(node.engine.tokenizer, "eos_token_ids", (299, tokens[0]))  # the second of two
+    got, out = generate(node, prompt, 8, request_id="second")
+    assert got == tokens[:1] and out.finish_reason == "stop"
 
 
 def test_a_non_llama_checkpoint_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(ValueError, match="Llama-family"):
         LlamaModel.load_hf(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma"}))
+    with pytest.raises(ValueError, match="model_type 'gemma'"):
+        LlamaModel.load_hf(tmp_path)
     with pytest.raises(FileNotFoundError, match=r"config\.json"):
         LlamaModel.load_hf(tmp_path / "missing")
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
+    ({"rope_parameters": {"rope_theta": 1e4, "rope_type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic'"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "llama3' needs low_freq_factor"),
+    ({"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}}, "partial_rotary_factor"),
     ({"sliding_window": 4096}, "sliding_window"),
-    ({"head_dim": 4}, "head_dim 4"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"mlp_bias": True}, "mlp_bias"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({"model_type": "qwen2"}, "model_type 'qwen2'"),
+    ({"head_dim": 4}, "weights do not match"),  # a head_dim is honoured: these weights are not its shapes
     ({"intermediate_size": 7}, "weights do not match"),  # the config no longer describes the weights
 ])
 def test_checkpoints_this_model_cannot_compute_are_refused_in_one_line(tmp_path, node, change, message):
