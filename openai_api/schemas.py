@@ -321,15 +321,26 @@ class ChatCompletionRequest(GenerationBody, _Conversation):
 
 
 class RouteRequest(BaseModel):
-    """``POST /v1/route``: a prompt as text or token ids."""
+    """``POST /v1/route``: a prompt as text, as token ids, or a chat's messages (rendered through
+    the model's chat template, as ``POST /v1/chat/completions`` routes them)."""
 
     model_config = ConfigDict(extra="forbid")
 
     prompt: str | None = Field(default=None, description="Text (tokenized as the nodes do).")
     token_ids: list[TokenId] | None = Field(default=None, max_length=1_000_000, description="Or token ids.")
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=10_000,
+                                               description="Or a chat, rendered as the node will render it.")
+    tools: list[ChatTool] | None = Field(default=None, max_length=256, description="A chat's tools.")
+    add_generation_prompt: StrictBool = Field(default=True, description="A chat's generation prompt.")
     lora_id: StrictInt | None = Field(default=None, ge=0, le=(1 << 63) - 1)
     model: str | None = Field(default=None, max_length=256, description="Only nodes serving this model.")
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256, description=SALT)
+
+    def chat_messages(self) -> list[dict[str, Any]]:
+        return [m.model_dump(exclude_unset=True) for m in self.messages or ()]
+
+    def chat_tools(self) -> list[dict[str, Any]] | None:
+        return None if self.tools is None else [t.model_dump(exclude_unset=True) for t in self.tools]
 
 
 class _Proxied(BaseModel):

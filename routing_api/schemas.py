@@ -30,7 +30,7 @@ def decision_body(decision: Decision, prompt_tokens: int, prompt_blocks: int, bl
 
     ``block_size``, ``prompt_blocks``, ``matched_blocks`` and ``matched_tokens`` are the chosen
     node's, in its block size (``matched_tokens = matched_blocks × block_size``); without a choice,
-    the decision's. ``cost_block_size`` is the decision's block size, which the candidates' costs
+    the decision's. ``cached_tokens`` predicts the node's ``usage.prompt_tokens_details.cached_tokens``. ``cost_block_size`` is the decision's block size, which the candidates' costs
     are in (in a fleet of one block size, ``block_size`` as well).
 
     Args:
@@ -46,11 +46,15 @@ def decision_body(decision: Decision, prompt_tokens: int, prompt_blocks: int, bl
     size, blocks = block_size, prompt_blocks
     if chosen is not None and chosen.block_size:  # (a candidate of decide() without a block size: ours)
         size, blocks = chosen.block_size, chosen.prompt_blocks
+    matched = chosen.matched_blocks * size if chosen else 0
     return {
         "node_id": chosen.node_id if chosen else None,
         "url": chosen.url if chosen else None,
         "matched_blocks": chosen.matched_blocks if chosen else 0,
-        "matched_tokens": chosen.matched_blocks * size if chosen else 0,
+        "matched_tokens": matched,
+        # What the node will report as usage.prompt_tokens_details.cached_tokens: the matched tokens,
+        # all but the last when every token is matched (the node computes that one again for its logits).
+        "cached_tokens": min(matched, max(prompt_tokens - 1, 0)),
         "prompt_tokens": prompt_tokens, "prompt_blocks": blocks, "block_size": size, "cost_block_size": block_size,
         "reason": decision.reason, "decision_ms": round(elapsed_s * 1000, 3), "degraded": degraded,
         "candidates": [candidate_json(c) for c in decision.candidates], "gone_nodes": gone_nodes,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import APIRouter, HTTPException, Request, Response
 
@@ -27,6 +27,7 @@ from routing_api.decisions import fleet_rows, route
 from routing_api.deps import State, scope
 from routing_api.errors import error_response
 from routing_api.proxy import forward
+from routing_api.state import RouterState
 
 router = APIRouter()
 
@@ -51,22 +52,45 @@ async def completions(req: ProxiedCompletion, request: Request, state: State,
     return await forward(state, routed, "/v1/completions", content, req.stream)
 
 
+class Chat(Protocol):
+    """What a chat's prompt is rendered from (``ProxiedChat``, ``RouteRequest``)."""
+
+    model: str | None
+    add_generation_prompt: bool
+
+    def chat_messages(self) -> list[dict[str, Any]]: ...
+    def chat_tools(self) -> list[dict[str, Any]] | None: ...
+
+
+async def chat_prompt(state: RouterState, chat: Chat) -> tuple[str, str]:
+    """The model a chat goes to, and its prompt as that model's nodes will compute it: the
+    messages rendered through the model's chat template ("" when no template is known yet: the
+    chat is then routed by load alone, and the node renders it itself).
+
+    Raises:
+        HTTPException: 400 without a model in a fleet of several; 404 for a model no node serves.
+        ChatTemplateError: messages the template refuses (the node would refuse them the same way).
+        Unavailable: no fleet known yet.
+    """
+    rows = list((await fleet_rows(state))[0])
+    model = chat.model or _only_model(rows)
+    if not any(r["model"] == model for r in rows):
+        raise HTTPException(404, f"model {model!r} is not served by any node")
+    template = await state.templates.get(model, rows)
+    if template is None:
+        return model, ""
+    return model, template.render(normalize_messages(chat.chat_messages()),
+                                  add_generation_prompt=chat.add_generation_prompt, tools=chat.chat_tools())
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(req: ProxiedChat, request: Request, state: State,
                            key: ApiKey | None = scope("complete")) -> Response:
     content, tenant = await _body(request, key)
-    rows = list((await fleet_rows(state))[0])
-    model = req.model or _only_model(rows)
-    if not any(r["model"] == model for r in rows):
-        raise HTTPException(404, f"model {model!r} is not served by any node")
-    template = await state.templates.get(model, rows)
-    text = ""  # no template known: routed by load alone (the node renders the chat itself)
-    if template is not None:
-        try:
-            text = template.render(normalize_messages(req.chat_messages()),
-                                   add_generation_prompt=req.add_generation_prompt, tools=req.chat_tools())
-        except ChatTemplateError as exc:  # the node would refuse it the same way
-            return error_response(400, f"messages: {exc}")
+    try:
+        model, text = await chat_prompt(state, req)
+    except ChatTemplateError as exc:
+        return error_response(400, f"messages: {exc}")
     routed = await route(state, None, text, req.lora_id, tenant or req.cache_salt, model, special_tokens=False)
     return await forward(state, routed, "/v1/chat/completions", content, req.stream)
 

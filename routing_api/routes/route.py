@@ -8,11 +8,13 @@ import msgspec
 from fastapi import APIRouter, HTTPException, Response
 from pydantic import ValidationError
 
+from openai_api.chat import ChatTemplateError
 from openai_api.schemas import RouteRequest
 from routing_api.config import ApiKey
 from routing_api.decisions import route
 from routing_api.deps import State, authorize, scope, state_of
 from routing_api.errors import Unavailable, error_body, error_json
+from routing_api.routes.completions import chat_prompt
 from routing_api.state import RouterState
 
 router = APIRouter()
@@ -22,13 +24,21 @@ async def route_answer(state: RouterState, req: RouteRequest, key: ApiKey | None
     """``POST /v1/route`` once the body is valid and the key may route: status and JSON.
 
     Raises:
-        HTTPException: 404 when no node serves the request's ``model``.
+        HTTPException: 404 when no node serves the request's ``model``; 400 for a chat without a
+            model in a fleet of several, or whose messages its template refuses.
         Unavailable: no fleet known yet (PostgreSQL has never been read).
     """
-    if (req.prompt is None) == (req.token_ids is None):
-        return 422, error_json("give exactly one of prompt and token_ids")
+    if sum(x is not None for x in (req.prompt, req.token_ids, req.messages)) != 1:
+        return 422, error_json("give exactly one of prompt, token_ids and messages")
     salt = key.tenant if key is not None and key.tenant else req.cache_salt
-    routed = await route(state, req.token_ids, req.prompt, req.lora_id, salt, req.model)
+    if req.messages is not None:  # routed as POST /v1/chat/completions routes it
+        try:
+            model, text = await chat_prompt(state, req)
+        except ChatTemplateError as exc:
+            return 400, error_json(f"messages: {exc}")
+        routed = await route(state, None, text, req.lora_id, salt, model, special_tokens=False)
+    else:
+        routed = await route(state, req.token_ids, req.prompt, req.lora_id, salt, req.model)
     if routed.decision.chosen is None:
         return 503, msgspec.json.encode({**error_body("no live node", "unavailable"), **routed.body})
     return 200, msgspec.json.encode(routed.body)

@@ -152,6 +152,30 @@ def test_a_multi_turn_chat_stays_on_the_node_holding_its_history(fleet, sdk):
     assert int(second.headers["x-kvflow-matched-tokens"]) >= (answer.usage.prompt_tokens // block) * block
 
 
+def test_route_with_messages_predicts_the_cached_tokens_the_node_then_reports(fleet, sdk):
+    """``POST /v1/route`` takes a chat's messages, renders them as the node will, and predicts the
+    very tokens the node then serves from its cache."""
+    messages = [{"role": "system", "content": "A fixed preamble for prediction. " * 40},
+                {"role": "user", "content": "Which node holds this?"}]
+    first = sdk.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_completion_tokens=2,
+                                                          temperature=0)
+    node = first.headers["x-kvflow-node"]
+    time.sleep(1.2)
+    wait_for(lambda: applied_through_id(fleet["db"], node), 30, what="the chat's blocks in PostgreSQL")
+    routed = httpx.post(f"{fleet['base']}/v1/route", json={"model": MODEL, "messages": messages}, timeout=10)
+    assert routed.status_code == 200, routed.text
+    predicted = routed.json()
+    prompt_tokens = first.parse().usage.prompt_tokens
+    assert predicted["node_id"] == node and predicted["prompt_tokens"] == prompt_tokens
+    assert predicted["matched_tokens"] == prompt_tokens // 32 * 32 > 0  # every full block
+    again = sdk.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_completion_tokens=2,
+                                                          temperature=0)
+    assert again.headers["x-kvflow-node"] == node
+    assert again.parse().usage.prompt_tokens_details.cached_tokens == predicted["cached_tokens"]
+    both = httpx.post(f"{fleet['base']}/v1/route", json={"prompt": "x", "messages": messages}, timeout=10)
+    assert both.status_code == 422 and "exactly one of prompt, token_ids and messages" in both.text
+
+
 def test_n_sequences_share_the_prompts_blocks(sdk):
     prompt = "Shared prompt blocks. " * 12  # 264 byte tokens: 8 full blocks of 32
     raw = sdk.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=3, n=3, temperature=1.0,

@@ -18,7 +18,7 @@ def test_a_decision_is_formatted_with_its_choice_and_every_candidate():
     body = decision_body(d, prompt_tokens=100, prompt_blocks=3, block_size=32, elapsed_s=0.0012345)
     reason = "cost 3.25 = 1.25 blocks to prefill + 2 blocks of load; 2/3 prompt blocks cached (1 on host)"
     assert body == {
-        "node_id": "a", "url": "http://a", "matched_blocks": 2, "matched_tokens": 64,
+        "node_id": "a", "url": "http://a", "matched_blocks": 2, "matched_tokens": 64, "cached_tokens": 64,
         "prompt_tokens": 100, "prompt_blocks": 3, "block_size": 32, "cost_block_size": 32, "reason": reason,
         "decision_ms": 1.234, "degraded": False, "gone_nodes": 0, "candidates": [
             {"node_id": "a", "status": "live", "eligible": True, "matched_blocks": 2, "gpu_blocks": 1,
@@ -28,9 +28,9 @@ def test_a_decision_is_formatted_with_its_choice_and_every_candidate():
              "host_blocks": 0, "block_size": 32, "prompt_blocks": 3, "matched_tokens": 0, "cached_credit": 0.0,
              "prefill_blocks": 0.0, "decode_blocks": 0.0, "cost": None, "busy": False,
              "reason": "stale: never chosen"}]}
-    assert list(body) == ["node_id", "url", "matched_blocks", "matched_tokens", "prompt_tokens", "prompt_blocks",
-                          "block_size", "cost_block_size", "reason", "decision_ms", "degraded", "candidates",
-                          "gone_nodes"]  # the order clients see
+    assert list(body) == ["node_id", "url", "matched_blocks", "matched_tokens", "cached_tokens", "prompt_tokens",
+                          "prompt_blocks", "block_size", "cost_block_size", "reason", "decision_ms", "degraded",
+                          "candidates", "gone_nodes"]  # the order clients see
     assert list(body["candidates"][0]) == [
         "node_id", "status", "eligible", "matched_blocks", "gpu_blocks", "host_blocks", "block_size", "prompt_blocks",
         "matched_tokens", "cached_credit", "prefill_blocks", "decode_blocks", "cost", "busy", "reason"]
@@ -59,12 +59,22 @@ def test_in_a_fleet_of_two_block_sizes_the_top_level_blocks_are_the_chosen_nodes
     assert (cands["v16"]["cached_credit"], cands["v16"]["cost"]) == (1.5, 1.5)  # 48 tokens: 1.5 blocks of 32
 
 
+def test_the_predicted_cached_tokens_are_all_but_the_last_when_every_token_is_matched():
+    views = [NodeView("a", "http://a", "live", 1000)]
+    d = decide(2, views, {"a": PrefixMatch(gpu=2, host=0)}, RoutingWeights(), block_size=32, tokens=64)
+    body = decision_body(d, prompt_tokens=64, prompt_blocks=2, block_size=32, elapsed_s=0.0)
+    assert (body["matched_tokens"], body["cached_tokens"]) == (64, 63)  # the node computes the last one again
+    body = decision_body(d, prompt_tokens=70, prompt_blocks=2, block_size=32, elapsed_s=0.0)
+    assert (body["matched_tokens"], body["cached_tokens"]) == (64, 64)
+
+
 def test_no_choice_is_formatted_with_nulls_and_zeros():
     d = Decision(None, [Candidate("b", "http://b", "gone", eligible=False, reason="gone: never chosen")], 4,
                  "no live node")
     body = decision_body(d, prompt_tokens=130, prompt_blocks=4, block_size=32, elapsed_s=0.5)
     assert {k: v for k, v in body.items() if k != "candidates"} == {
-        "node_id": None, "url": None, "matched_blocks": 0, "matched_tokens": 0, "prompt_tokens": 130,
+        "node_id": None, "url": None, "matched_blocks": 0, "matched_tokens": 0, "cached_tokens": 0,
+        "prompt_tokens": 130,
         "prompt_blocks": 4, "block_size": 32, "cost_block_size": 32, "reason": "no live node", "decision_ms": 500.0,
         "degraded": False, "gone_nodes": 0}
     assert body["candidates"] == [candidate_json(d.candidates[0])]
