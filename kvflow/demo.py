@@ -1,10 +1,13 @@
 """``kvflow demo``: the whole system on one machine, a realistic workload, a summary.
 
 It starts (or reuses) the local stack, applies migrations, starts the materializer, the router and
-two CPU inference nodes as separate processes, and drives a workload through the router: a few
-long shared system prompts pinned at priority 100, multi-turn conversations whose history grows,
-and one-off questions. It ends with a summary (requests, cached-token share, routing choices,
-events published and materialized, materializer lag), the dashboard's URL and a line of SQL.
+two CPU inference nodes as separate processes, and drives a workload through the router
+(:mod:`kvflow.demo_workload`): a few long shared system prompts pinned at priority 100, multi-turn
+conversations whose history grows, and one-off questions. The nodes serve a real model
+(``--model smollm2-135m``: pulled once, chats with real answers) or random weights. It ends with a
+summary (requests, cached-token share, time to first token cold and with a cached prefix, routing
+choices, events published and materialized, materializer lag, a real model's answers), the
+dashboard's URL and a line of SQL.
 The services run under a :class:`~kvflow.supervise.Supervisor`: one that dies is reported (exit
 status, last log lines) and restarted with backoff while the others keep running. SIGINT
 (Ctrl-C), SIGTERM, SIGHUP, or the end of the run stop everything it started; killed outright,
@@ -16,11 +19,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import random
+import statistics
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,20 +32,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvflow import demo_workload
+from kvflow.demo_workload import DemoResult, Request
 from kvflow.stack import Stack, port_open
 from kvflow.supervise import Child, Supervisor, exit_status, kvflow_argv, signals_stop
 from state_store.config import DatabaseSettings, plain_dsn
-
-SYSTEM_PROMPTS = [
-    "You are the support assistant of an airline. Be precise about fares, baggage rules and "
-    "connections; never invent a flight. Policies: ",
-    "You are a careful code reviewer for a Python service. Point out bugs, unclear names, missing "
-    "tests and security problems, in that order. Style guide: ",
-    "You are a medical triage helper. You never diagnose; you ask about symptoms, duration and "
-    "severity, and you send urgent cases to a doctor at once. Protocol: ",
-]
-TOPICS = ["refunds", "a lost bag", "a delayed flight", "seat upgrades", "pets on board", "a null check",
-          "a race condition", "SQL injection", "logging", "a headache", "a sprained ankle", "a fever"]
 
 
 @dataclass
@@ -51,20 +44,6 @@ class Service:
     name: str
     child: Child
     url: str | None = None
-
-
-@dataclass
-class DemoResult:
-    requests: int = 0
-    failed: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    by_node: Counter[str] = field(default_factory=Counter)
-    by_kind: Counter[str] = field(default_factory=Counter)
-    cached_by_kind: Counter[str] = field(default_factory=Counter)
-    prompt_by_kind: Counter[str] = field(default_factory=Counter)
-    #: failed requests by their status and answer
-    errors: Counter[str] = field(default_factory=Counter)
 
 
 def _free(port: int) -> int:
@@ -75,9 +54,11 @@ def _free(port: int) -> int:
 
 class Demo:
     def __init__(self, console: Console, *, requests: int = 90, concurrency: int = 4, nodes: int = 2,
-                 use_local_stack: bool = True, log_dir: Path | None = None) -> None:
+                 use_local_stack: bool = True, log_dir: Path | None = None, model_dir: Path | None = None) -> None:
         self.console = console
         self.requests = requests
+        #: a real model's folder (None: the random-weight preset)
+        self.model_dir = model_dir
         self.concurrency = concurrency
         self.n_nodes = nodes
         self.use_local_stack = use_local_stack
@@ -144,8 +125,9 @@ class Demo:
             name = f"demo-node-{chr(ord('a') + i)}"
             url = f"http://127.0.0.1:{port}"
             say(f"starting {name} on {url} …")
+            model = ["--model-dir", str(self.model_dir)] if self.model_dir else ["--model-preset", "small"]
             self._spawn(name, ["node", "--node-id", name, "--port", str(port), "--num-blocks", "384",
-                               "--host-blocks", "512", "--model-preset", "small", "--log-level", "warning"],
+                               "--host-blocks", "512", *model, "--log-level", "warning"],
                         {"KVFLOW_NODE_SEED": "0"}, url)
             node_urls.append(url)
             port += 1
@@ -174,57 +156,23 @@ class Demo:
         self.supervisor.restart = True  # from now on a service that dies is restarted
         return router, node_urls
 
-    def workload(self, seed: int = 7) -> Iterator[tuple[str, dict[str, Any]]]:
-        """(kind, body) of each request: system-prompt traffic, conversations, one-offs."""
-        rng = random.Random(seed)
-        policies = [" ".join(f"rule {i}: {rng.choice(TOPICS)} is handled per section {i}." for i in range(40))
-                    for _ in SYSTEM_PROMPTS]
-        systems = [s + p for s, p in zip(SYSTEM_PROMPTS, policies, strict=True)]
-        sessions: list[tuple[int, str]] = []
-        for _ in range(self.requests):
-            r = rng.random()
-            if r < 0.35 and sessions:
-                i = rng.randrange(len(sessions))
-                k, history = sessions[i]
-                history += f"\nUser: and what about {rng.choice(TOPICS)}?\nAssistant: it depends on the case."
-                sessions[i] = (k, history)
-                yield "conversation", {"prompt": systems[k] + history, "max_tokens": 8,
-                                       "kv_retention": _pin(len(systems[k]))}
-            elif r < 0.8:
-                k = rng.randrange(len(systems))
-                history = f"\nUser: tell me about {rng.choice(TOPICS)}.\nAssistant: sure."
-                sessions.append((k, history))
-                yield "system prompt", {"prompt": systems[k] + history, "max_tokens": 8,
-                                        "kv_retention": _pin(len(systems[k]))}
-            else:
-                question = f"A one-off question #{rng.randrange(10**6)}: what is {rng.choice(TOPICS)}?"
-                yield "one-off", {"prompt": question,
-                                  "max_tokens": 8}
+    def workload(self) -> Iterator[Request]:
+        """The requests: chats with real questions for a real model, else text prompts."""
+        if self.model_dir is not None:
+            return demo_workload.chats(self.requests, self.model_dir, self.model_dir.name)
+        return demo_workload.completions(self.requests)
 
     async def drive(self, router: str, progress: Progress) -> DemoResult:
         res = DemoResult()
         task = progress.add_task("requests through the router", total=self.requests)
-        queue: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
+        queue: asyncio.Queue[Request] = asyncio.Queue()
         for item in self.workload():
             queue.put_nowait(item)
-        async with httpx.AsyncClient(base_url=router, timeout=120) as client:
+        async with httpx.AsyncClient(base_url=router, timeout=300) as client:
             async def worker() -> None:
                 while not queue.empty():
-                    kind, body = queue.get_nowait()
-                    r = await client.post("/v1/completions", json=body)
-                    res.requests += 1
-                    if r.status_code != 200:
-                        res.failed += 1
-                        res.errors[f"{r.status_code}: {r.text[:300]}"] += 1
-                    else:
-                        usage = r.json()["usage"]
-                        cached = usage["prompt_tokens_details"]["cached_tokens"]
-                        res.prompt_tokens += usage["prompt_tokens"]
-                        res.cached_tokens += cached
-                        res.by_node[r.headers["x-kvflow-node"]] += 1
-                        res.by_kind[kind] += 1
-                        res.prompt_by_kind[kind] += usage["prompt_tokens"]
-                        res.cached_by_kind[kind] += cached
+                    kind, path, body = queue.get_nowait()
+                    await demo_workload.send(client, kind, path, body, res)
                     progress.advance(task)
 
             await asyncio.gather(*(worker() for _ in range(self.concurrency)))
@@ -264,13 +212,9 @@ class Demo:
                 "pinned_blocks": pinned}
 
 
-def _pin(chars: int) -> dict[str, Any]:
-    """Retention for a request whose first ``chars`` bytes are the system prompt: priority 100."""
-    return {"token_ranges": [{"start": 0, "end": chars, "priority": 100}]}
-
-
-def run_demo(console: Console, *, requests: int = 90, keep: bool = False, use_local_stack: bool = True) -> int:
-    demo = Demo(console, requests=requests, use_local_stack=use_local_stack)
+def run_demo(console: Console, *, requests: int = 90, keep: bool = False, use_local_stack: bool = True,
+             model_dir: Path | None = None) -> int:
+    demo = Demo(console, requests=requests, use_local_stack=use_local_stack, model_dir=model_dir)
 
     def say(m: str) -> None:
         console.print(f"[dim]{m}[/]")
@@ -311,6 +255,8 @@ def _summary(console: Console, res: DemoResult, f: dict[str, Any], elapsed: floa
     for kind in ("system prompt", "conversation", "one-off"):
         p, c = res.prompt_by_kind[kind], res.cached_by_kind[kind]
         t.add_row(f"  {kind} ({res.by_kind[kind]} requests)", f"{c / p:.0%} cached" if p else "-")
+    t.add_row("time to first token p50, nothing cached", _p50(res.ttft_cold))
+    t.add_row("time to first token p50, a prefix cached", _p50(res.ttft_cached))
     for node, n in sorted(res.by_node.items()):
         t.add_row(f"routed to {node}", str(n))
     t.add_row("events emitted by the nodes", f"{f['published']:,}")
@@ -318,6 +264,14 @@ def _summary(console: Console, res: DemoResult, f: dict[str, Any], elapsed: floa
     t.add_row("materializer lag (events)", str(f["lag_events"]))
     t.add_row("blocks pinned at priority 100", str(f["pinned_blocks"]))
     console.print(t)
+    for question, answer in res.answers[:3]:
+        console.print(f"[bold]Q:[/] {question}\n[bold]A:[/] {answer}", highlight=False)
     console.print(f"dashboard: {router}/dashboard (while the services run: kvflow demo --keep)")
     console.print("try: psql postgresql://kvflow_reader:kvflow_reader@localhost:55432/kvflow "
                   "-c 'SELECT * FROM node_cache_summary'", highlight=False)
+
+
+def _p50(values: list[float]) -> str:
+    if not values:
+        return "-"
+    return f"{statistics.median(values):.2f} s ({len(values)} requests)"

@@ -36,6 +36,7 @@ def test_the_demo_answers_every_request_from_the_cache_and_materializes_every_ev
     assert figures["lag_events"] == 0
     assert figures["materialized"] == figures["published"] > 0  # this run's events, each once
     assert figures["pinned_blocks"] > 0  # the system prompts at priority 100
+    assert len(res.ttft_cold) + len(res.ttft_cached) == 30 and res.ttft_cached  # every stream's first token
     assert demo.services == []  # stop() ended every process it started
 
 
