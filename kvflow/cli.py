@@ -2,23 +2,27 @@
 
 Every sub-command is a thin shell over a library function: it parses flags, calls, and prints.
 Errors the user can fix are printed in one line (``kvflow <cmd>: …``) with exit status 1.
+
+This module holds the app, the services (``materializer``, ``node``, ``bridge``, ``router``,
+``demo``) and the operations (``stack``, ``db``, ``topics``, ``schema``, ``events``);
+:mod:`kvflow.cli_bench` the benchmarks, the simulator and traces; :mod:`kvflow.cli_common` what
+they share. Each command imports its packages inside its function, so that one service's install
+(``pip install 'kvflow[router]'``) runs its command, and a command whose extra is missing says
+which (:func:`~kvflow.cli_common.needs_extra`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import pathlib
 import sys
-from collections.abc import Callable
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
-from sqlalchemy.exc import SQLAlchemyError
 
+from kvflow.cli_bench import bench_app, sim_cmd, trace_app
+from kvflow.cli_common import console, fail, guarded, needs_extra
 from kvflow.stack import ServiceStatus, Stack, StackError, StackSettings, redact_url
 from kvflow.supervise import Stopped, follow_parent, signals_stop
 
@@ -28,44 +32,21 @@ app = typer.Typer(
 )
 stack_app = typer.Typer(no_args_is_help=True, help="The local development stack (Kafka + PostgreSQL).")
 db_app = typer.Typer(no_args_is_help=True, help="Database schema migrations (Alembic).")
-app.add_typer(stack_app, name="stack")
 topics_app = typer.Typer(no_args_is_help=True, help="Kafka topics of kvflow.")
+schema_app = typer.Typer(no_args_is_help=True, help="The wire schema as JSON Schema.")
+events_app = typer.Typer(no_args_is_help=True, help="Kafka events, for people and other consumers.")
+# The groups in the order of `kvflow --help` (after the commands, in the order they are defined below).
+app.add_typer(stack_app, name="stack")
 app.add_typer(db_app, name="db")
 app.add_typer(topics_app, name="topics")
-
-console = Console()
-err = Console(stderr=True)
-T = TypeVar("T")
-
-
-def _fail(cmd: str, message: str) -> None:
-    err.print(f"[bold red]kvflow {cmd}:[/] {message}", highlight=False, soft_wrap=True)
-    raise typer.Exit(1)
-
-
-def _first_line(exc: BaseException) -> str:
-    orig = getattr(exc, "orig", None) or exc
-    return (str(orig).strip().splitlines() or [""])[0]
-
-
-def guarded(cmd: str, fn: Callable[[], T]) -> T:
-    """Run fn; a StackError (or another expected failure) becomes one line and exit 1."""
-    try:
-        return fn()
-    except StackError as exc:
-        _fail(cmd, str(exc))
-    except (OSError, SQLAlchemyError) as exc:
-        if os.environ.get("KVFLOW_DEBUG"):
-            raise
-        _fail(cmd, f"{type(exc).__name__}: {_first_line(exc)} (KVFLOW_DEBUG=1 for the traceback)")
-    except Stopped as exc:
-        _fail(cmd, f"stopped by {exc}")
-    except KeyboardInterrupt:
-        _fail(cmd, "interrupted")
-    raise AssertionError("unreachable")
+app.add_typer(schema_app, name="schema")
+app.add_typer(bench_app, name="bench")
+app.add_typer(events_app, name="events")
+app.add_typer(trace_app, name="trace")
 
 
 @stack_app.command("up")
+@needs_extra("stack", "stack up")
 def stack_up(
     brokers: Annotated[int | None, typer.Option(
         "--brokers", min=1, max=9,
@@ -82,7 +63,7 @@ def stack_up(
         settings.kafka_brokers = brokers
     if replica is not None:
         settings.replica = replica
-    stack = Stack(settings)
+    stack = guarded("stack up", lambda: Stack(settings))
 
     def up() -> dict[str, str]:
         with signals_stop():  # a stop signal ends its helper commands (subprocess.run kills them)
@@ -95,20 +76,22 @@ def stack_up(
 
 
 @stack_app.command("down")
+@needs_extra("stack", "stack down")
 def stack_down() -> None:
     """Stop exactly what `kvflow stack up` started."""
-    stack = Stack()
+    stack = guarded("stack down", Stack)
     result = guarded("stack down", stack.down)
     for name, state in result.items():
         console.print(f"{name}: {state}")
 
 
 @stack_app.command("status")
+@needs_extra("stack", "stack status")
 def stack_status(
     check: Annotated[bool, typer.Option("--check", help="Exit 1 unless every service runs.")] = False,
 ) -> None:
     """Say what runs where."""
-    stack = Stack()
+    stack = guarded("stack status", Stack)
     statuses = _print_status(stack)
     if check and any(s.state not in ("running", "external") for s in statuses):
         raise typer.Exit(1)
@@ -131,6 +114,7 @@ def _print_status(stack: Stack) -> list[ServiceStatus]:
 
 
 @db_app.command("upgrade")
+@needs_extra("db", "db upgrade")
 def db_upgrade(
     revision: Annotated[str, typer.Argument(help="Target revision.")] = "head",
     url: Annotated[str | None, typer.Option(help="Database URL (default: KVFLOW_DATABASE_URL).")] = None,
@@ -143,6 +127,7 @@ def db_upgrade(
 
 
 @db_app.command("downgrade")
+@needs_extra("db", "db downgrade")
 def db_downgrade(
     revision: Annotated[str, typer.Argument(help="Target revision, e.g. -1 or base.")],
     url: Annotated[str | None, typer.Option(help="Database URL (default: KVFLOW_DATABASE_URL).")] = None,
@@ -155,6 +140,7 @@ def db_downgrade(
 
 
 @db_app.command("current")
+@needs_extra("db", "db current")
 def db_current(
     url: Annotated[str | None, typer.Option(help="Database URL (default: KVFLOW_DATABASE_URL).")] = None,
 ) -> None:
@@ -165,6 +151,7 @@ def db_current(
 
 
 @topics_app.command("ensure")
+@needs_extra("kafka", "topics ensure")
 def topics_ensure() -> None:
     """Create kvflow's topics where missing (kv-events, node-stats, kv-events-dlq, kv-control)."""
     from confluent_kafka import KafkaException
@@ -176,14 +163,10 @@ def topics_ensure() -> None:
     try:
         created = ensure_topics(settings)
     except (KafkaException, TimeoutError) as exc:
-        _fail("topics ensure", f"Kafka at {settings.bootstrap}: {exc}")
+        fail("topics ensure", f"Kafka at {settings.bootstrap}: {exc}")
     for spec in topic_specs(settings):
         state = "created" if spec.name in created else "exists"
         console.print(f"{spec.name}: {state} ({spec.partitions} partitions)")
-
-
-schema_app = typer.Typer(no_args_is_help=True, help="The wire schema as JSON Schema.")
-app.add_typer(schema_app, name="schema")
 
 
 @schema_app.command("export")
@@ -204,49 +187,8 @@ def schema_export(
         console.print(f"wrote {path}")
 
 
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: figures against a baseline measured in the same run.")
-app.add_typer(bench_app, name="bench")
-
-JsonOpt = Annotated[str | None, typer.Option("--json", help="Write the result as JSON to this file.")]
-QuickOpt = Annotated[bool, typer.Option("--quick", help="A small, fast version (for smoke tests).")]
-
-
-def _run_bench(name: str, json_path: str | None, produce: Callable[[Callable[[str], None]], Any]) -> None:
-    """Run a benchmark (``produce(say)`` returns its BenchResult), print it, and write it as JSON."""
-
-    def run() -> None:
-        with signals_stop():  # a stop signal ends the run's processes (their finally blocks)
-            result = produce(lambda m: console.print(f"[dim]{m}[/]"))
-        result.print(console)
-        if json_path:
-            result.write_json(json_path)
-            console.print(f"wrote {json_path}")
-
-    guarded(f"bench {name}", run)
-
-
-@bench_app.command("kv")
-def bench_kv_cmd(json_path: JsonOpt = None, quick: QuickOpt = False,
-                 repeats: Annotated[int, typer.Option(help="Interleaved rounds.")] = 5,
-                 trace: Annotated[str | None, typer.Option(
-                     "--trace", help="A trace in the Mooncake format (timestamp, input_length, output_length, "
-                                     "hash_ids; JSON lines) to replay: default the conversation trace.")] = None,
-                 out: Annotated[str, typer.Option(help="Folder for the hit-rate plot.")] = "artifacts",
-                 robustness: Annotated[bool, typer.Option(
-                     help="Also each family's second draw and the trace in thirds (about 40 s more).")] = True,
-                 ) -> None:
-    """KV core: cost per operation vs an OrderedDict LRU; hit rates of LRU, the adaptive policy, ARC,
-    S3-FIFO and Belady on a trace and the generated families (and, reported, on their second draw
-    and the trace in thirds); the adaptive policy's cost."""
-    from kvflow.bench.kv import bench_kv
-
-    kw: dict[str, Any] = {"num_blocks": 2_000, "requests": 1_500, "repeats": 2, "capacities": (400,),
-                          "trace_limit": 1_500, "families": ("multi_turn", "scan"), "family_requests": 600} \
-        if quick else {"repeats": repeats, "robustness": robustness}
-    _run_bench("kv", json_path, lambda say: bench_kv(say=say, trace_path=trace, plot_dir=pathlib.Path(out), **kw))
-
-
 @app.command("materializer")
+@needs_extra("materializer", "materializer")
 def materializer_cmd(
     loglevel: Annotated[str, typer.Option(help="crit, error, warn, info or debug.")] = "info",
 ) -> None:
@@ -263,11 +205,8 @@ def materializer_cmd(
     guarded("materializer", run)
 
 
-events_app = typer.Typer(no_args_is_help=True, help="Kafka events, for people and other consumers.")
-app.add_typer(events_app, name="events")
-
-
 @events_app.command("tail")
+@needs_extra("kafka", "events tail")
 def events_tail(
     group: Annotated[str | None, typer.Option(help="Consumer group (default: a new one).")] = None,
     from_beginning: Annotated[bool, typer.Option("--from-beginning", help="Start at the oldest event.")] = False,
@@ -284,20 +223,8 @@ def events_tail(
          idle_timeout_s=idle_timeout, emit=lambda line: console.print(line, highlight=False, soft_wrap=True))
 
 
-@bench_app.command("pipeline")
-def bench_pipeline_cmd(json_path: JsonOpt = None, quick: QuickOpt = False,
-                       workers: Annotated[int, typer.Option(
-                           "--workers", min=1, max=6,
-                           help="Also a group of this many workers, in the same run (figures."
-                                "events_per_s_2_workers, ratios.two_workers_vs_one for 2).")] = 1) -> None:
-    """Block events/s from Kafka into PostgreSQL (one worker) vs raw COPY; freshness at 10k events/s."""
-    from kvflow.bench.pipeline import bench_pipeline
-
-    kw: dict[str, Any] = {"nodes": 2, "requests_per_node": 300, "freshness_s": 3.0, "rounds": 1} if quick else {}
-    _run_bench("pipeline", json_path, lambda say: bench_pipeline(say=say, workers=workers, **kw))
-
-
 @app.command("node")
+@needs_extra("node", "node")
 def node_cmd(
     node_id: Annotated[str | None, typer.Option("--node-id", help="Stable node name (Kafka key).")] = None,
     host: Annotated[str | None, typer.Option(help="Bind address.")] = None,
@@ -362,6 +289,7 @@ def node_cmd(
 
 
 @app.command("bridge")
+@needs_extra("bridge", "bridge")
 def bridge_cmd(
     engine: Annotated[str, typer.Argument(help="vllm, sglang or trtllm.")],
     node_id: Annotated[str | None, typer.Option("--node-id", help="The node's name in kvflow (Kafka key).")] = None,
@@ -413,26 +341,8 @@ def bridge_cmd(
     guarded("bridge", go)
 
 
-@bench_app.command("bridge")
-def bench_bridge_cmd(json_path: JsonOpt = None, quick: QuickOpt = False) -> None:
-    """Blocks/s one bridge translates from a vLLM publisher into Kafka, next to the publisher's own rate."""
-    from kvflow.bench.bridge import bench_bridge
-
-    kw: dict[str, Any] = {"batches": 60, "repeats": 1, "rate_run_s": 1.5} if quick else {}
-    _run_bench("bridge", json_path, lambda say: bench_bridge(say=say, **kw))
-
-
-@bench_app.command("node")
-def bench_node_cmd(json_path: JsonOpt = None, quick: QuickOpt = False,
-                   device: Annotated[str, typer.Option(help="cpu, cuda or auto.")] = "auto") -> None:
-    """Prefill of a long prompt 90% cached vs cold, prefill and decode tokens/s."""
-    from kvflow.bench.node import bench_node
-
-    kw: dict[str, Any] = {"preset": "tiny", "prompt_tokens": 512, "repeats": 2, "decode_steps": 8} if quick else {}
-    _run_bench("node", json_path, lambda say: bench_node(device=device, say=say, **kw))
-
-
 @app.command("router")
+@needs_extra("router", "router")
 def router_cmd(
     host: Annotated[str | None, typer.Option(help="Bind address (default 127.0.0.1).")] = None,
     port: Annotated[int | None, typer.Option(help="HTTP port (default 8000).")] = None,
@@ -472,27 +382,8 @@ def router_cmd(
     guarded("router", run)
 
 
-@bench_app.command("route")
-def bench_route_cmd(json_path: JsonOpt = None, quick: QuickOpt = False,
-                    fleet: Annotated[int | None, typer.Option(
-                        "--fleet", min=32,
-                        help="Instead: the decision's p50/p99 as node_blocks grows, 32 x 50k, N x 50k and "
-                             "N x 200k blocks in one run (N=128: 1.6M, 6.4M, 25.6M rows; --quick: blocks / 50), "
-                             "figures.p50_ms_by_rows.")] = None) -> None:
-    """Routing decisions through the HTTP API (32 nodes x 50k blocks) vs the bare SQL query."""
-    if fleet is not None:
-        from kvflow.bench.fleet import bench_fleet
-
-        fkw: dict[str, Any] = {"requests": 200, "prompts": 16} if quick else {}
-        _run_bench("route", json_path, lambda say: bench_fleet(top_nodes=fleet, quick=quick, say=say, **fkw))
-        return
-    from kvflow.bench.route import bench_route
-
-    kw: dict[str, Any] = {"nodes": 4, "blocks_per_node": 2000, "prompts": 16, "requests": 200} if quick else {}
-    _run_bench("route", json_path, lambda say: bench_route(say=say, **kw))
-
-
 @app.command("demo")
+@needs_extra("all", "demo", probe=("torch", "faust", "uvicorn", "alembic", "confluent_kafka"))
 def demo_cmd(
     requests: Annotated[int, typer.Option(help="Requests to send through the router.")] = 90,
     keep: Annotated[bool, typer.Option("--keep", help="Keep the services running after the summary.")] = False,
@@ -507,75 +398,7 @@ def demo_cmd(
     raise typer.Exit(code)
 
 
-@app.command("sim")
-def sim_cmd(
-    json_path: JsonOpt = None,
-    quick: QuickOpt = False,
-    trace: Annotated[str | None, typer.Option(help="A trace in the Mooncake format (default: the conversation "
-                                              "trace in ../shared/traces or data/traces).")] = None,
-    out: Annotated[str, typer.Option(help="Folder for the report and the plots.")] = "artifacts/sim",
-) -> None:
-    """Trace-driven cluster simulator: eviction and routing policies on the real KV core."""
-    from pathlib import Path
-
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-    from kvflow.sim.run import run_sim
-
-    def run() -> None:
-        kw: dict[str, Any] = {"capacities": (200, 400), "reference": 400, "curve_capacities": (200, 800),
-                              "generator_requests": 800, "limit": 1500} if quick else {}
-        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                      console=console, transient=True) as progress:
-            task = progress.add_task("simulating …", total=None)
-            result = run_sim(trace=trace, out_dir=Path(out), step=lambda m: progress.update(task, description=m),
-                             **kw)
-        result.print(console)
-        console.print(f"report: {result.details['report']}; plots in {out}")
-        if json_path:
-            result.write_json(json_path)
-            console.print(f"wrote {json_path}")
-
-    guarded("sim", run)
-
-
-trace_app = typer.Typer(no_args_is_help=True, help="Request traces in the Mooncake format (docs/traces.md).")
-app.add_typer(trace_app, name="trace")
-
-
-@trace_app.command("export")
-def trace_export_cmd(
-    out: Annotated[str, typer.Option("--out", help="The trace file to write (Mooncake JSON lines).")],
-    node: Annotated[str | None, typer.Option("--node", help="Only this node's history.")] = None,
-    since: Annotated[str | None, typer.Option(help="Requests from this time on (ISO 8601; UTC without a zone).")]
-    = None,
-    until: Annotated[str | None, typer.Option(help="Events before this time (ISO 8601; UTC without a zone).")]
-    = None,
-    database_url: Annotated[str | None, typer.Option(
-        "--database-url", help="PostgreSQL URL (default: KVFLOW_DATABASE_READER_URL, the read-only role).")] = None,
-) -> None:
-    """Write the fleet's history (block_events) as a request trace: one request per stored event."""
-    import asyncpg
-
-    from kvflow.trace_export import export_trace, parse_time
-    from state_store.config import DatabaseSettings
-
-    try:
-        start, end = (parse_time(since) if since else None), (parse_time(until) if until else None)
-    except ValueError as exc:
-        _fail("trace export", f"not an ISO 8601 time: {exc}")
-    url = database_url or DatabaseSettings().reader()
-
-    def run() -> Any:
-        try:
-            return asyncio.run(export_trace(url, out, node=node, since=start, until=end))
-        except asyncpg.PostgresError as exc:
-            raise StackError(f"{type(exc).__name__}: {_first_line(exc)} (at {redact_url(url)})") from exc
-
-    stats = guarded("trace export", run)
-    console.print(f"wrote {out}: {stats.requests} requests from {stats.stored_events} stored events "
-                  f"({stats.decode_continuations} decode continuations, {stats.partial_chains} with an unknown "
-                  f"ancestor, {stats.before_since} before --since)", highlight=False, soft_wrap=True)
+app.command("sim")(sim_cmd)  # after demo, as `kvflow --help` lists it
 
 
 def main() -> None:

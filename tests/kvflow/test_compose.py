@@ -22,6 +22,9 @@ from tests.conftest import REQUIRE_SERVICES
 ROOT = Path(__file__).resolve().parents[2]
 SECRETS = {"POSTGRES_PASSWORD": "pg", "KVFLOW_DB_PASSWORD": "owner", "KVFLOW_DB_READER_PASSWORD": "reader",
            "KVFLOW_ROUTER_API_KEYS": "key", "KVFLOW_NODE_API_KEY": "nodekey"}
+#: The extra each kvflow service's image installs (the Dockerfile's KVFLOW_EXTRA): torch only in the nodes'.
+EXTRAS = {"migrate": "db", "topics": "kafka", "materializer": "materializer", "router": "router",
+          "node-a": "node", "node-b": "node", "node-gpu": "node", "bridge-vllm": "bridge"}
 #: kvflow-compose, as `make test` builds it (KVFLOW_COMPOSE_CHECK: another one).
 COMPOSE_CHECK = Path(os.environ.get("KVFLOW_COMPOSE_CHECK", ROOT / ".kvflow" / "bin" / "kvflow-compose"))
 
@@ -71,6 +74,25 @@ def test_compose_config_is_valid_with_secrets():
     assert has_writer == {"migrate", "materializer"}
     for name in ("node-a", "node-b", "node-gpu", "topics"):
         assert not any(k.startswith("KVFLOW_DATABASE") for k in services[name]["environment"]), name
+
+
+def test_each_kvflow_service_builds_an_image_with_only_its_extra():
+    proc = _compose("-f", "docker-compose.yml", "-f", "docker-compose.vllm.yml", "--profile", "gpu", "config",
+                    "--format", "json", env={**SECRETS, "VLLM_MODEL": "Qwen/Qwen2.5-0.5B-Instruct"})
+    assert proc.returncode == 0, proc.stderr
+    services = json.loads(proc.stdout)["services"]
+    built = {name for name, svc in services.items() if "build" in svc}
+    assert built == set(EXTRAS)
+    images: dict[str, dict[str, str]] = {}
+    for name, extra in EXTRAS.items():
+        build = services[name]["build"]
+        assert Path(build["context"]).resolve() == ROOT, name
+        assert build["args"]["KVFLOW_EXTRA"] == extra, name
+        # one image, one set of build arguments: no service runs an image built for another extra
+        assert images.setdefault(services[name]["image"], build["args"]) == build["args"], name
+    assert services["node-gpu"]["build"]["args"]["TORCH_INDEX_URL"].endswith("/cu124")
+    assert services["node-gpu"]["image"] != services["node-a"]["image"]
+    assert "TORCH_INDEX_URL" not in services["node-a"]["build"]["args"]
 
 
 def test_compose_refuses_to_start_without_secrets():
