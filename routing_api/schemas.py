@@ -30,7 +30,8 @@ def decision_body(decision: Decision, prompt_tokens: int, prompt_blocks: int, bl
 
     ``block_size``, ``prompt_blocks``, ``matched_blocks`` and ``matched_tokens`` are the chosen
     node's, in its block size (``matched_tokens = matched_blocks × block_size``); without a choice,
-    the decision's. ``cached_tokens`` predicts the node's ``usage.prompt_tokens_details.cached_tokens``. ``cost_block_size`` is the decision's block size, which the candidates' costs
+    the decision's. ``cached_tokens`` predicts the node's ``usage.prompt_tokens_details.cached_tokens``.
+    ``cost_block_size`` is the decision's block size, which the candidates' costs
     are in (in a fleet of one block size, ``block_size`` as well).
 
     Args:

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SECRETS = {"POSTGRES_PASSWORD": "pg", "KVFLOW_DB_PASSWORD": "owner", "KVFLOW_DB_READER_PASSWORD": "reader",
            "KVFLOW_ROUTER_API_KEYS": "key", "KVFLOW_NODE_API_KEY": "nodekey"}
 #: The extra each kvflow service's image installs (the Dockerfile's KVFLOW_EXTRA): torch only in the nodes'.
-EXTRAS = {"migrate": "db", "topics": "kafka", "materializer": "materializer", "router": "router",
+EXTRAS = {"migrate": "db", "topics": "kafka", "model": "node", "materializer": "materializer", "router": "router",
           "node-a": "node", "node-b": "node", "node-gpu": "node", "bridge-vllm": "bridge"}
 #: kvflow-compose, as `make test` builds it (KVFLOW_COMPOSE_CHECK: another one).
 COMPOSE_CHECK = Path(os.environ.get("KVFLOW_COMPOSE_CHECK", ROOT / ".kvflow" / "bin" / "kvflow-compose"))
@@ -58,8 +58,17 @@ def test_compose_config_is_valid_with_secrets():
     assert proc.returncode == 0, proc.stderr
     cfg = json.loads(proc.stdout)
     services = cfg["services"]
-    assert set(services) == {"kafka", "postgres", "migrate", "topics", "materializer", "router",
+    assert set(services) == {"kafka", "postgres", "migrate", "topics", "model", "materializer", "router",
                              "node-a", "node-b", "node-gpu"}
+    # The real model: pulled once into a volume, served by every node, the router's tokenizer.
+    assert services["model"]["command"] == ["model", "pull", "smollm2-135m", "--home", "/models"]
+    folder = "/models/models/SmolLM2-135M-Instruct"
+    for name in ("node-a", "node-b", "node-gpu"):
+        assert services[name]["environment"]["KVFLOW_NODE_MODEL_DIR"] == folder, name
+        assert services[name]["depends_on"]["model"]["condition"] == "service_completed_successfully", name
+        assert [(v["source"], v["target"], v.get("read_only")) for v in services[name]["volumes"]] == [
+            ("models", "/models", True)], name
+    assert services["router"]["environment"]["KVFLOW_ROUTER_TOKENIZER_DIR"] == folder
     assert services["kafka"]["image"].startswith("apache/kafka:4.")
     assert services["postgres"]["image"] == "postgres:16"
     assert services["node-gpu"]["deploy"]["resources"]["reservations"]["devices"][0]["driver"] == "nvidia"
@@ -72,7 +81,7 @@ def test_compose_config_is_valid_with_secrets():
     # Least privilege: the writer's credentials only where it writes, none on the nodes.
     has_writer = {name for name, svc in services.items() if "KVFLOW_DATABASE_URL" in svc.get("environment", {})}
     assert has_writer == {"migrate", "materializer"}
-    for name in ("node-a", "node-b", "node-gpu", "topics"):
+    for name in ("node-a", "node-b", "node-gpu", "topics", "model"):
         assert not any(k.startswith("KVFLOW_DATABASE") for k in services[name]["environment"]), name
 
 

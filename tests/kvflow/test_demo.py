@@ -40,6 +40,29 @@ def test_the_demo_answers_every_request_from_the_cache_and_materializes_every_ev
     assert demo.services == []  # stop() ended every process it started
 
 
+def test_the_demo_with_the_real_model_answers_in_words(kafka_settings, migrated_database_url, reader_url, tmp_path,
+                                                      monkeypatch, smollm2_dir):
+    """``make demo``'s run: SmolLM2 on both nodes, chats with real questions, answered in words."""
+    for field in ("events_topic", "stats_topic", "dlq_topic", "control_topic"):
+        monkeypatch.setenv(f"KVFLOW_KAFKA_{field.upper()}", getattr(kafka_settings, field))
+    monkeypatch.setenv("KVFLOW_DATABASE_URL", migrated_database_url)
+    monkeypatch.setenv("KVFLOW_DATABASE_READER_URL", reader_url)
+    console = Console(file=io.StringIO(), width=120)
+    demo = Demo(console, requests=8, use_local_stack=False, log_dir=tmp_path, model_dir=smollm2_dir)
+    try:
+        router, node_urls = demo.start(lambda _m: None)
+        with Progress(console=console) as progress:
+            res = asyncio.run(demo.drive(router, progress))
+        figures = asyncio.run(demo.pipeline_figures(node_urls))
+    finally:
+        demo.stop()
+    assert (res.requests, res.failed) == (8, 0), res.errors
+    assert ("What is the capital of France?", "The capital of France is Paris.") in res.answers
+    assert res.cached_tokens > 0.3 * res.prompt_tokens  # the system prompts, in BPE tokens
+    assert res.ttft_cold and res.ttft_cached
+    assert figures["lag_events"] == 0 and figures["pinned_blocks"] > 0
+
+
 def test_the_summary_table_has_no_empty_header_row():
     from kvflow.demo import DemoResult, _summary
 
