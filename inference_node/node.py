@@ -13,7 +13,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from eventbus.config import KafkaSettings
 from eventbus.hashing import DEFAULT_BLOCK_SIZE
-from eventbus.protocol import InstanceId, NodeId
+from eventbus.protocol import DEFAULT_PRIORITY, MAX_PRIORITY, InstanceId, NodeId
 from eventbus.publisher import ControlListener, KafkaSink, NullSink, Publisher, Sink
 from inference_node.engine import Engine
 from inference_node.kv.adaptive import AdaptivePolicy
@@ -55,7 +55,8 @@ class NodeSettings(BaseSettings):
     max_inflight_batches: int = Field(default=1000, ge=1,
                                       description="Undelivered batches in the producer before events wait in the "
                                                   "KV core's queue instead.")
-    secondary_offload_min_priority: int = Field(default=35, ge=0, le=101, description="Offload threshold.")
+    secondary_offload_min_priority: int = Field(default=DEFAULT_PRIORITY, ge=0, le=MAX_PRIORITY + 1,
+                                                description="Offload threshold (101: never offload).")
     adaptive: bool = Field(default=False, description="Learned priorities for requests without hints.")
     adaptive_frequency_horizons: float = Field(
         default=0.0, ge=0, description="With --adaptive: keep the frequency band this many LRU horizons (0: no "

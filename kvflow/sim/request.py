@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from eventbus.protocol import DEFAULT_PRIORITY, MAX_PRIORITY
 from inference_node.kv.retention import KvCacheRetentionConfig, TokenRange
 from kvflow.traces import TRACE_BLOCK_TOKENS, load_trace
 
@@ -27,7 +28,7 @@ class SimRequest:
     pinned_blocks: int = 0
 
 
-def pin(blocks: int, *, priority: int = 100, rest: int = 35) -> KvCacheRetentionConfig | None:
+def pin(blocks: int, *, priority: int = MAX_PRIORITY, rest: int = DEFAULT_PRIORITY) -> KvCacheRetentionConfig | None:
     if blocks <= 0:
         return None
     return KvCacheRetentionConfig((TokenRange(0, blocks * BLOCK_TOKENS, priority),

@@ -75,8 +75,10 @@ def test_kv_state_is_the_ground_truth_the_events_describe(client):
 @pytest.mark.parametrize(("body", "status", "fragment"), [
     ({"prompt": "x", "max_tokens": 2, "kv_retention": {"token_ranges": [
         {"start": 0, "end": 10, "priority": 50}, {"start": 5, "end": None, "priority": 9}]}}, 400, "overlap"),
-    ({"prompt": "x", "kv_retention": {"token_ranges": [{"start": 0, "priority": 101}]}}, 400,
-     "priority 101 is outside 0..100"),
+    ({"prompt": "x", "kv_retention": {"token_ranges": [{"start": 0, "priority": 101}]}}, 422,
+     "kv_retention.token_ranges.0.priority: Input should be less than or equal to 100"),
+    ({"prompt": "x", "kv_retention": {"decode_priority": -1}}, 422,
+     "kv_retention.decode_priority: Input should be greater than or equal to 0"),
     ({"prompt": "x", "kv_retention": {"token_ranges": [{"start": 0, "priority": 50, "duration_s": -1}]}}, 400,
      "duration_s must be finite and >= 0"),
     ({"prompt": "x", "max_tokens": "many"}, 422, "max_tokens: Input should be a valid integer"),

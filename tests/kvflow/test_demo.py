@@ -5,31 +5,43 @@ from __future__ import annotations
 
 import asyncio
 import io
+from pathlib import Path
+from typing import Any
 
 import pytest
 from rich.console import Console
 from rich.progress import Progress
 
-from kvflow.demo import Demo
+from kvflow.demo import Demo, DemoResult
 
 pytestmark = pytest.mark.integration
 
 
-def test_the_demo_answers_every_request_from_the_cache_and_materializes_every_event(
-        kafka_settings, migrated_database_url, reader_url, tmp_path, monkeypatch):
+@pytest.fixture
+def run_demo(kafka_settings, migrated_database_url, reader_url, tmp_path, monkeypatch):
+    """Runs a Demo on topics and a database of its own: its result, its pipeline figures, the demo."""
     for field in ("events_topic", "stats_topic", "dlq_topic", "control_topic"):
         monkeypatch.setenv(f"KVFLOW_KAFKA_{field.upper()}", getattr(kafka_settings, field))
     monkeypatch.setenv("KVFLOW_DATABASE_URL", migrated_database_url)
     monkeypatch.setenv("KVFLOW_DATABASE_READER_URL", reader_url)
-    console = Console(file=io.StringIO(), width=120)
-    demo = Demo(console, requests=30, use_local_stack=False, log_dir=tmp_path)
-    try:
-        router, node_urls = demo.start(lambda _m: None)
-        with Progress(console=console) as progress:
-            res = asyncio.run(demo.drive(router, progress))
-        figures = asyncio.run(demo.pipeline_figures(node_urls))
-    finally:
-        demo.stop()
+
+    def run(requests: int, model_dir: Path | None = None) -> tuple[DemoResult, dict[str, Any], Demo]:
+        console = Console(file=io.StringIO(), width=120)
+        demo = Demo(console, requests=requests, use_local_stack=False, log_dir=tmp_path, model_dir=model_dir)
+        try:
+            router, node_urls = demo.start(lambda _m: None)
+            with Progress(console=console) as progress:
+                res = asyncio.run(demo.drive(router, progress))
+            figures = asyncio.run(demo.pipeline_figures(node_urls))
+        finally:
+            demo.stop()
+        return res, figures, demo
+
+    return run
+
+
+def test_the_demo_answers_every_request_from_the_cache_and_materializes_every_event(run_demo):
+    res, figures, demo = run_demo(30)
     assert (res.requests, res.failed) == (30, 0), res.errors
     assert res.cached_tokens > 0.5 * res.prompt_tokens  # long shared system prompts
     assert sorted(res.by_node) == ["demo-node-a", "demo-node-b"]
@@ -40,22 +52,9 @@ def test_the_demo_answers_every_request_from_the_cache_and_materializes_every_ev
     assert demo.services == []  # stop() ended every process it started
 
 
-def test_the_demo_with_the_real_model_answers_in_words(kafka_settings, migrated_database_url, reader_url, tmp_path,
-                                                      monkeypatch, smollm2_dir):
+def test_the_demo_with_the_real_model_answers_in_words(run_demo, smollm2_dir):
     """``make demo``'s run: SmolLM2 on both nodes, chats with real questions, answered in words."""
-    for field in ("events_topic", "stats_topic", "dlq_topic", "control_topic"):
-        monkeypatch.setenv(f"KVFLOW_KAFKA_{field.upper()}", getattr(kafka_settings, field))
-    monkeypatch.setenv("KVFLOW_DATABASE_URL", migrated_database_url)
-    monkeypatch.setenv("KVFLOW_DATABASE_READER_URL", reader_url)
-    console = Console(file=io.StringIO(), width=120)
-    demo = Demo(console, requests=8, use_local_stack=False, log_dir=tmp_path, model_dir=smollm2_dir)
-    try:
-        router, node_urls = demo.start(lambda _m: None)
-        with Progress(console=console) as progress:
-            res = asyncio.run(demo.drive(router, progress))
-        figures = asyncio.run(demo.pipeline_figures(node_urls))
-    finally:
-        demo.stop()
+    res, figures, _ = run_demo(8, smollm2_dir)
     assert (res.requests, res.failed) == (8, 0), res.errors
     assert ("What is the capital of France?", "The capital of France is Paris.") in res.answers
     assert res.cached_tokens > 0.3 * res.prompt_tokens  # the system prompts, in BPE tokens
@@ -64,7 +63,7 @@ def test_the_demo_with_the_real_model_answers_in_words(kafka_settings, migrated_
 
 
 def test_the_summary_table_has_no_empty_header_row():
-    from kvflow.demo import DemoResult, _summary
+    from kvflow.demo import _summary
 
     out = io.StringIO()
     res = DemoResult(requests=3, prompt_tokens=100, cached_tokens=50)
