@@ -44,7 +44,7 @@ IN_FLIGHT = 4
 MAX_DECODE = 9
 CAPACITY = 600
 #: The whole conversation trace (12,031 requests) is replayed in these settings too.
-FULL_TRACE_SETTINGS = ("lru", "adaptive", "priority_host")
+FULL_TRACE_SETTINGS = ("lru", "adaptive")
 WORKLOADS = ("trace_full", "trace", "system_prompt", "multi_turn", "agentic", "rag", "scan", "shifting_mix",
              "hot_prefixes", "one_shot")
 
