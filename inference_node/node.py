@@ -46,6 +46,8 @@ class NodeSettings(BaseSettings):
     host_blocks: int = Field(default=0, ge=0, description="Host-memory-tier KV blocks (0: no host tier).")
     block_size: int = Field(default=DEFAULT_BLOCK_SIZE, ge=1, description="Tokens per KV block.")
     device: str = Field(default="auto", description="cpu, cuda, cuda:N or auto (CUDA when present).")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto", description="Weights, activations and KV: auto is float32 on the CPU, bfloat16 on CUDA.")
     model_dir: str | None = Field(default=None, description="Local Hugging Face Llama folder; default: random.")
     model_preset: Literal["tiny", "small"] = Field(default="small", description="Random model size.")
     seed: int = Field(default=0, description="Seed of the random weights.")
@@ -106,10 +108,17 @@ def pick_device(name: str) -> torch.device:
     return dev
 
 
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto``: float32 on the CPU, bfloat16 on CUDA; else the dtype named."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
 def build_node(s: NodeSettings, kafka: KafkaSettings | None = None, *, sink: Sink | None = None,
                start: bool = True) -> Node:
     device = pick_device(s.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = pick_dtype(s.dtype, device)
     model = LlamaModel.load_hf(s.model_dir) if s.model_dir else LlamaModel.random(PRESETS[s.model_preset], seed=s.seed)
     model = model.to(device=device, dtype=dtype)
     tokenizer = load_tokenizer(s.model_dir)

@@ -236,6 +236,8 @@ def node_cmd(
     host_blocks: Annotated[int | None, typer.Option("--host-blocks", help="Host-tier KV blocks.")] = None,
     block_size: Annotated[int | None, typer.Option("--block-size", help="Tokens per block.")] = None,
     device: Annotated[str | None, typer.Option(help="cpu, cuda or auto.")] = None,
+    dtype: Annotated[str | None, typer.Option(help="auto (float32 on the CPU, bfloat16 on CUDA), float32, "
+                                                   "bfloat16 or float16.")] = None,
     model_dir: Annotated[str | None, typer.Option("--model-dir", help="Local Hugging Face Llama folder.")] = None,
     model_preset: Annotated[str | None, typer.Option("--model-preset", help="tiny or small (random).")] = None,
     advertise_url: Annotated[str | None, typer.Option("--advertise-url", help="URL the router uses.")] = None,
@@ -254,7 +256,8 @@ def node_cmd(
 
     overrides: dict[str, Any] = {k: v for k, v in {
         "node_id": node_id, "host": host, "port": port, "num_blocks": num_blocks, "host_blocks": host_blocks,
-        "block_size": block_size, "device": device, "model_dir": model_dir, "model_preset": model_preset,
+        "block_size": block_size, "device": device, "dtype": dtype, "model_dir": model_dir,
+        "model_preset": model_preset,
         "advertise_url": advertise_url, "adaptive": adaptive, "kafka": kafka}.items() if v is not None}
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 

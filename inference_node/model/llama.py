@@ -94,6 +94,52 @@ class SeqBatchItem:
     block_table: Sequence[int]
 
 
+@dataclass
+class AttentionPlan:
+    """Where one forward's tokens read and write their keys and values, worked out once for all
+    layers: the new tokens' pool slots; the decode tokens (one new token of a sequence) as one
+    padded batch over their block tables; each prefill (several new tokens) on its own."""
+
+    #: [T] flat pool slots of the new tokens, in the batch's order
+    slots: Tensor
+    #: [D] rows (in the batch's tokens) of the decode tokens; None without any
+    decode_rows: Tensor | None
+    #: [D, B] block ids of each decode sequence (padded with its first block)
+    decode_blocks: Tensor | None
+    #: [D, 1, 1, B × block_size] True where a decode token sees a key (its sequence's, up to itself)
+    decode_mask: Tensor | None
+    #: per prefill: offset in the batch, new tokens, start position, [B] its block ids
+    prefills: list[tuple[int, int, int, Tensor]]
+
+    @classmethod
+    def of(cls, batch: Sequence[SeqBatchItem], block_size: int, device: torch.device) -> AttentionPlan:
+        bs = block_size
+        new_slots: list[int] = []
+        decode: list[tuple[int, int, Sequence[int]]] = []  # (row, keys, blocks)
+        prefills: list[tuple[int, int, int, Tensor]] = []
+        offset = 0
+        for item in batch:
+            n = len(item.token_ids)
+            end = item.start + n
+            table = item.block_table
+            new_slots.extend(table[p // bs] * bs + p % bs for p in range(item.start, end))
+            blocks = table[:-(-end // bs)]
+            if n == 1:
+                decode.append((offset, end, blocks))
+            else:
+                prefills.append((offset, n, item.start, torch.as_tensor(blocks, dtype=torch.long, device=device)))
+            offset += n
+        slots = torch.as_tensor(new_slots, dtype=torch.long, device=device)
+        if not decode:
+            return cls(slots, None, None, None, prefills)
+        width = max(len(b) for _, _, b in decode)
+        padded = [list(b) + [b[0]] * (width - len(b)) for _, _, b in decode]
+        keys = torch.as_tensor([k for _, k, _ in decode], device=device)
+        mask = torch.arange(width * bs, device=device)[None, :] < keys[:, None]
+        return cls(slots, torch.as_tensor([r for r, _, _ in decode], dtype=torch.long, device=device),
+                   torch.as_tensor(padded, dtype=torch.long, device=device), mask[:, None, None, :], prefills)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -104,36 +150,39 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, kvh * d, bias=False)
         self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, pool: KVPool,
-                slots: Tensor, seqs: list[tuple[int, int, Tensor]]) -> Tensor:
-        """x: [T, hidden] for all new tokens; slots: [T] flat pool slots of the new tokens;
-        seqs: per sequence (offset in x, number of new tokens, flat slots of all its tokens)."""
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, pool: KVPool, plan: AttentionPlan) -> Tensor:
+        """x: [T, hidden] for all new tokens; their keys and values go into the pool, then each
+        attends to its sequence's keys up to itself (``plan``)."""
         cfg = self.cfg
         t = x.shape[0]
         h, kvh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q = apply_rope(self.q_proj(x).view(t, h, d), cos, sin)
         k = apply_rope(self.k_proj(x).view(t, kvh, d), cos, sin)
         v = self.v_proj(x).view(t, kvh, d)
-        kflat = pool.k[layer].view(-1, kvh, d)
-        vflat = pool.v[layer].view(-1, kvh, d)
-        kflat[slots] = k.to(kflat.dtype)
-        vflat[slots] = v.to(vflat.dtype)
+        pool_k, pool_v = pool.k[layer], pool.v[layer]  # [blocks, block_size, kvh, d]
+        pool_k.view(-1, kvh, d)[plan.slots] = k.to(pool_k.dtype)
+        pool_v.view(-1, kvh, d)[plan.slots] = v.to(pool_v.dtype)
         out = torch.empty(t, h, d, device=x.device, dtype=x.dtype)
-        group = h // kvh
-        for offset, n_new, all_slots in seqs:
-            keys = kflat[all_slots].to(x.dtype)  # [S, kvh, d]
-            vals = vflat[all_slots].to(x.dtype)
-            s = keys.shape[0]
+        if plan.decode_rows is not None:
+            # Every decode token at once: its sequence's blocks gathered (padded, masked).
+            assert plan.decode_blocks is not None
+            n = plan.decode_blocks.shape[0]
+            keys = pool_k[plan.decode_blocks].view(n, -1, kvh, d).transpose(1, 2).to(x.dtype)  # [D, kvh, S, d]
+            vals = pool_v[plan.decode_blocks].view(n, -1, kvh, d).transpose(1, 2).to(x.dtype)
+            qd = q[plan.decode_rows].unsqueeze(2)  # [D, h, 1, d]
+            o = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=plan.decode_mask, enable_gqa=True)
+            out[plan.decode_rows] = o.squeeze(2)
+        for offset, n_new, start, blocks in plan.prefills:
+            end = start + n_new
+            keys = pool_k[blocks].view(-1, kvh, d)[:end].transpose(0, 1).to(x.dtype)  # [kvh, S, d]
+            vals = pool_v[blocks].view(-1, kvh, d)[:end].transpose(0, 1).to(x.dtype)
             qs = q[offset:offset + n_new].transpose(0, 1)  # [h, n, d]
-            ks = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [h, S, d]
-            vs = vals.repeat_interleave(group, dim=1).transpose(0, 1)
-            if n_new == 1:
-                o = F.scaled_dot_product_attention(qs, ks, vs)
-            else:
-                # Query i sits at position s - n_new + i and sees keys up to it.
-                qpos = torch.arange(s - n_new, s, device=x.device)[:, None]
-                mask = torch.arange(s, device=x.device)[None, :] <= qpos
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)
+            if start == 0:  # the whole prompt: plain causal attention
+                o = F.scaled_dot_product_attention(qs, keys, vals, is_causal=True, enable_gqa=True)
+            else:  # query i sits at position start + i and sees keys up to it
+                qpos = torch.arange(start, end, device=x.device)[:, None]
+                mask = torch.arange(end, device=x.device)[None, :] <= qpos
+                o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask, enable_gqa=True)
             out[offset:offset + n_new] = o.transpose(0, 1)
         projected: Tensor = self.o_proj(out.reshape(t, h * d))
         return projected
@@ -194,37 +243,33 @@ class LlamaModel(nn.Module):
         """Run the new tokens of each sequence; return each sequence's logits for its last token
         (``[vocab]``), or for all its new tokens (``[n, vocab]``) with ``all_logits``."""
         device = self.embed_tokens.weight.device
-        bs = pool.block_size
         tokens: list[int] = []
         positions: list[int] = []
-        new_slots: list[int] = []
-        seqs: list[tuple[int, int, Tensor]] = []
         for item in batch:
-            n = len(item.token_ids)
-            end = item.start + n
-            table = torch.as_tensor(item.block_table, dtype=torch.long)
-            pos = torch.arange(end)
-            all_slots = (table[pos // bs] * bs + pos % bs).to(device)
-            seqs.append((len(tokens), n, all_slots))
             tokens.extend(item.token_ids)
-            positions.extend(range(item.start, end))
-            new_slots.extend(all_slots[item.start:].tolist())
+            positions.extend(range(item.start, item.start + len(item.token_ids)))
+        plan = AttentionPlan.of(batch, pool.block_size, device)
         ids = torch.as_tensor(tokens, dtype=torch.long, device=device)
         x = self.embed_tokens(ids)
         inv_freq = self._inv_freq.get(device)
         if inv_freq is None:
             inv_freq = self._inv_freq[device] = rope_inv_freq(self.cfg, device)
         cos, sin = rope_tables(torch.as_tensor(positions, device=device), inv_freq)
-        slots = torch.as_tensor(new_slots, dtype=torch.long, device=device)
         for i, module in enumerate(self.layers):
             layer = cast(DecoderLayer, module)
-            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, i, pool, slots, seqs)
+            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, i, pool, plan)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        out = []
-        for offset, n, _ in seqs:
-            rows = x[offset:offset + n] if all_logits else x[offset + n - 1:offset + n]
-            logits = self.lm_head(self.norm(rows)).float()
-            out.append(logits if all_logits else logits[0])
+        if not all_logits:  # the last token of each sequence, through the head at once
+            last, offset = [], 0
+            for item in batch:
+                offset += len(item.token_ids)
+                last.append(offset - 1)
+            return list(self.lm_head(self.norm(x[last])).float().unbind(0))
+        out, offset = [], 0
+        for item in batch:
+            n = len(item.token_ids)
+            out.append(self.lm_head(self.norm(x[offset:offset + n])).float())
+            offset += n
         return out
 
     # ----------------------------------------------------------------- Hugging Face format
@@ -308,4 +353,5 @@ def flops_per_token(cfg: ModelConfig) -> float:
     return 2.0 * (per_layer * cfg.num_hidden_layers + cfg.hidden_size * cfg.vocab_size)
 
 
-__all__ = ["KVPool", "LlamaModel", "ModelConfig", "SeqBatchItem", "copy_block", "flops_per_token", "load_safetensors"]
+__all__ = ["AttentionPlan", "KVPool", "LlamaModel", "ModelConfig", "SeqBatchItem", "copy_block", "flops_per_token",
+           "load_safetensors"]
