@@ -1,5 +1,7 @@
-"""``make demo``'s run, end to end on the local services: every request answered, the cache used,
-both nodes chosen, and every event the nodes emitted materialized (own topics, own database)."""
+"""``make demo``'s run, end to end on the local services: SmolLM2 on two nodes, every chat answered
+in words, the cache used, both nodes chosen, and every event the nodes emitted materialized (own
+topics, own database). The random-weight workload (``kvflow demo`` without ``--model``) is the
+same code with text prompts; the fast tests of the node and router cover those paths."""
 
 from __future__ import annotations
 
@@ -40,26 +42,18 @@ def run_demo(kafka_settings, migrated_database_url, reader_url, tmp_path, monkey
     return run
 
 
-def test_the_demo_answers_every_request_from_the_cache_and_materializes_every_event(run_demo):
-    res, figures, demo = run_demo(30)
-    assert (res.requests, res.failed) == (30, 0), res.errors
-    assert res.cached_tokens > 0.5 * res.prompt_tokens  # long shared system prompts
+def test_the_demo_answers_every_chat_in_words_from_the_cache_and_materializes_every_event(run_demo, smollm2_dir):
+    """``make demo``'s run: SmolLM2 on both nodes, chats with real questions, answered in words."""
+    res, figures, demo = run_demo(12, smollm2_dir)
+    assert (res.requests, res.failed) == (12, 0), res.errors
+    assert ("What is the capital of France?", "The capital of France is Paris.") in res.answers
+    assert res.cached_tokens > 0.3 * res.prompt_tokens  # the system prompts, in BPE tokens
     assert sorted(res.by_node) == ["demo-node-a", "demo-node-b"]
+    assert len(res.ttft_cold) + len(res.ttft_cached) == 12 and res.ttft_cold and res.ttft_cached
     assert figures["lag_events"] == 0
     assert figures["materialized"] == figures["published"] > 0  # this run's events, each once
     assert figures["pinned_blocks"] > 0  # the system prompts at priority 100
-    assert len(res.ttft_cold) + len(res.ttft_cached) == 30 and res.ttft_cached  # every stream's first token
     assert demo.services == []  # stop() ended every process it started
-
-
-def test_the_demo_with_the_real_model_answers_in_words(run_demo, smollm2_dir):
-    """``make demo``'s run: SmolLM2 on both nodes, chats with real questions, answered in words."""
-    res, figures, _ = run_demo(8, smollm2_dir)
-    assert (res.requests, res.failed) == (8, 0), res.errors
-    assert ("What is the capital of France?", "The capital of France is Paris.") in res.answers
-    assert res.cached_tokens > 0.3 * res.prompt_tokens  # the system prompts, in BPE tokens
-    assert res.ttft_cold and res.ttft_cached
-    assert figures["lag_events"] == 0 and figures["pinned_blocks"] > 0
 
 
 def test_the_summary_table_has_no_empty_header_row():
@@ -81,3 +75,19 @@ def test_the_readme_tails_a_node_the_demo_starts():
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     named = re.findall(r"kvflow events tail --node (\S+)", readme)
     assert named and all(re.fullmatch(r"demo-node-[ab]", n) for n in named), named
+
+
+def test_the_random_weight_workload_pins_each_system_prompt_by_its_bytes():
+    """``kvflow demo`` without a model: text prompts, a byte per token, the system prompt pinned."""
+    from kvflow.demo_workload import completions
+
+    reqs = list(completions(40))
+    kinds = {k for k, _, _ in reqs}
+    assert kinds == {"system prompt", "conversation", "one-off"}
+    for kind, path, body in reqs:
+        assert path == "/v1/completions" and body["max_tokens"] == 8
+        if kind != "one-off":
+            [pinned] = body["kv_retention"]["token_ranges"]
+            system = body["prompt"][:pinned["end"]]
+            assert pinned["priority"] == 100 and system.endswith(".") and "User:" not in system
+            assert "User:" in body["prompt"][pinned["end"]:]
