@@ -214,8 +214,8 @@ def test_every_documented_query_answers_what_the_workload_did(workload, reader_u
     assert evicted == [(prio, action, want[(prio, action)]) for prio, action in sorted(want)]
     assert all(prio is not None for prio, _, _ in evicted)
     offloaded = {prio for prio, action, _ in evicted if action == "offloaded"}
-    assert len(offloaded) >= 2, evicted  # the workload offloads at several priorities
-    if len(recent) == len(rows):  # (unless the hour turned during the run)
+    if len(recent) == len(rows):  # (unless the hour turned during the run: then the hour before is not "recent")
+        assert len(offloaded) >= 2, evicted  # the workload offloads at several priorities
         counted: dict[str, collections.Counter[int]] = {"removed": collections.Counter(),
                                                          "offloaded": collections.Counter()}
         for n in workload.nodes:
