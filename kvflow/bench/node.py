@@ -1,4 +1,5 @@
-"""``kvflow bench node``: what a cached prefix saves in prefill, and raw token rates.
+"""``kvflow bench model``: what a cached prefix saves in prefill, and raw token rates (the model
+path without HTTP; ``kvflow bench node`` measures the node as a server, beside vLLM).
 
 The node's own path (the KV core allocates, the model computes only the uncached suffix over the
 paged pool), without HTTP. In one run, interleaved:
@@ -28,7 +29,7 @@ from kvflow.bench.harness import BenchResult, interleaved
 def bench_node(*, preset: str = "small", prompt_tokens: int = 2048, block_size: int = 32, decode_batch: int = 8,
                decode_steps: int = 32, repeats: int = 5, device: str = "auto",
                say: Callable[[str], None] = lambda _m: None) -> BenchResult:
-    res = BenchResult("node")
+    res = BenchResult("model")
     dev = pick_device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     cfg = PRESETS[preset]

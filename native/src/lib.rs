@@ -22,6 +22,7 @@ use pyo3::types::{PyBytes, PyList, PyType};
 use std::collections::HashMap;
 
 mod adaptive;
+mod attention;
 mod lifetables;
 
 /// A `node_blocks` row without its key; times in PostgreSQL's microseconds since 2000-01-01.
@@ -462,5 +463,6 @@ fn kvflow_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<adaptive::LruShadow>()?;
     m.add_class::<adaptive::BandsShadow>()?;
     m.add_class::<lifetables::LifeTables>()?;
+    m.add_function(wrap_pyfunction!(attention::paged_decode_attention, m)?)?;
     Ok(())
 }

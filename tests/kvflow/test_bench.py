@@ -22,7 +22,11 @@ NAMED = {
     "kv": ["ratios.cost_vs_lru", "ratios.adaptive_vs_lru_hit_rate_min", "ratios.adaptive_vs_lru_hit_rate_400",
            "ratios.adaptive_vs_belady_hit_rate_400", "ratios.adaptive_vs_arc_hit_rate_min",
            "baseline.arc_hit_rate_400", "baseline.s3fifo_hit_rate_400"],
-    "node": ["ratios.prefill_speedup_cached_90pct", "figures.prefill_tokens_per_s", "figures.decode_tokens_per_s"],
+    "model": ["ratios.prefill_speedup_cached_90pct", "figures.prefill_tokens_per_s", "figures.decode_tokens_per_s"],
+    # --quick: the node alone on SmolLM2 (no vLLM), float32, concurrency 1 and 4
+    "node": ["figures.kvflow_float32_tokens_per_s_c1", "figures.kvflow_float32_tokens_per_s_c4",
+             "figures.kvflow_float32_ttft_cached_p50_ms", "figures.kvflow_float32_ttft_cold_p50_ms",
+             "figures.kvflow_float32_peak_rss_mb", "figures.kvflow_float32_pressure_cached_share"],
     "pipeline": ["figures.events_per_s", "baseline.raw_events_per_s", "ratios.vs_raw_ceiling",
                  "figures.freshness_p50_ms", "figures.freshness_p99_ms",
                  # --workers 2 (as the smoke test runs it): a group of two workers in the same run
@@ -60,9 +64,16 @@ def run_bench(name: str, tmp_path, env: dict[str, str] | None = None) -> dict:
     return result
 
 
-@pytest.mark.parametrize("name", ["kv", "node"])
+@pytest.mark.parametrize("name", ["kv", "model"])
 def test_benchmarks_without_services(name, tmp_path):
     run_bench(name, tmp_path)
+
+
+@pytest.mark.integration
+def test_the_node_benchmark_serves_the_real_model(tmp_path, smollm2_dir):
+    """``bench node --quick``: the node as a server on SmolLM2 (pulled), every scenario once."""
+    result = run_bench("node", tmp_path)
+    assert result["details"]["model"] == "SmolLM2-135M-Instruct" and "vllm" not in result["details"]
 
 
 @pytest.mark.integration

@@ -1,0 +1,250 @@
+//! Decode attention straight over the node's paged KV pool (`inference_node.model.llama`).
+//!
+//! One new token per sequence attends to its sequence's keys, read where they lie in the pool
+//! (block table, then the slot in the block): no gathered copy of the keys and values, each key
+//! and value row read once for all the query heads of its KV head (grouped-query attention).
+//! Scores, softmax and the weighted sum in f32, as torch's scaled_dot_product_attention on the
+//! CPU computes them (up to the order of the sums); `tests/inference_node/test_native_attention.py`
+//! compares them.
+//!
+//! The Python side (`inference_node.model.native_attention`) checks every tensor (f32, CPU,
+//! contiguous, shapes) before it hands their addresses over; here the block ids and lengths are
+//! checked against the pool again, and the work (sequence x KV head) is split over threads with
+//! the GIL released.
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use std::thread;
+
+struct Shape {
+    n_seqs: usize,
+    n_heads: usize,
+    n_kv: usize,
+    d: usize,
+    bs: usize,
+    width: usize,
+    scale: f32,
+}
+
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    // Eight independent lanes: the compiler keeps them in one vector register (no reassociation).
+    let mut acc = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for l in 0..8 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (x, y) in ra.iter().zip(rb) {
+        s += x * y;
+    }
+    s
+}
+
+/// `exp` of eight lanes (Cephes' single-precision scheme, as SLEEF's and torch's vectorized exp:
+/// range reduction by ln 2, a degree-6 polynomial, the exponent set in the bits; ~1 ulp). Inputs
+/// are softmax scores minus their maximum (<= 0); below -87.3 the result is 0.
+#[inline(always)]
+fn exp8(x: &mut [f32; 8]) {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    let mut n = [0f32; 8];
+    for l in 0..8 {
+        let v = x[l].max(-87.336_55);
+        n[l] = (v * LOG2E + 0.5).floor();
+        let r = v - n[l] * LN2_HI - n[l] * LN2_LO;
+        let z = r * r;
+        let y = (((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
+            + 1.666_666_5e-1) * r + 5.000_000_1e-1) * z + r + 1.0;
+        let bits = ((n[l] as i32 + 127) << 23) as u32;
+        x[l] = if x[l] < -87.336_55 { 0.0 } else { y * f32::from_bits(bits) };
+    }
+}
+
+/// One sequence's KV heads `g0..g1`: their query heads over the sequence's `len` keys. A block's
+/// rows are read in order, each row once for all its KV heads' query heads.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn one(sh: &Shape, q: *const f32, k: *const f32, v: *const f32, out: *mut f32, table: &[i64], len: usize,
+              i: usize, g0: usize, g1: usize, scores: &mut Vec<f32>, acc: &mut Vec<f32>) {
+    let (d, bs, group, stride) = (sh.d, sh.bs, sh.n_heads / sh.n_kv, sh.n_kv * sh.d);
+    let heads = (g1 - g0) * group; // query heads of this item, from query head g0 * group
+    scores.clear();
+    scores.resize(heads * len, 0.0);
+    acc.clear();
+    acc.resize(heads * d, 0.0);
+    let qs = std::slice::from_raw_parts(q.add((i * sh.n_heads + g0 * group) * d), heads * d);
+    let n_blocks = len.div_ceil(bs);
+    for (b, &blk) in table[..n_blocks].iter().enumerate() {
+        let first = b * bs;
+        let base = k.add(blk as usize * bs * stride);
+        for off in 0..bs.min(len - first) {
+            for g in g0..g1 {
+                let krow = std::slice::from_raw_parts(base.add(off * stride + g * d), d);
+                for h in (g - g0) * group..(g - g0 + 1) * group {
+                    *scores.get_unchecked_mut(h * len + first + off) = dot(&qs[h * d..h * d + d], krow) * sh.scale;
+                }
+            }
+        }
+    }
+    for h in 0..heads {
+        softmax(&mut scores[h * len..h * len + len]);
+    }
+    for (b, &blk) in table[..n_blocks].iter().enumerate() {
+        let first = b * bs;
+        let base = v.add(blk as usize * bs * stride);
+        for off in 0..bs.min(len - first) {
+            for g in g0..g1 {
+                let vrow = std::slice::from_raw_parts(base.add(off * stride + g * d), d);
+                for h in (g - g0) * group..(g - g0 + 1) * group {
+                    let w = *scores.get_unchecked(h * len + first + off);
+                    axpy(w, vrow, &mut acc[h * d..h * d + d]);
+                }
+            }
+        }
+    }
+    let obase = out.add((i * sh.n_heads + g0 * group) * d);
+    std::ptr::copy_nonoverlapping(acc.as_ptr(), obase, heads * d);
+}
+
+/// `y += w * x`, eight lanes at a time.
+#[inline(always)]
+fn axpy(w: f32, x: &[f32], y: &mut [f32]) {
+    let (cx, cy) = (x.chunks_exact(8), y.chunks_exact_mut(8));
+    for (a, b) in cx.zip(cy) {
+        for l in 0..8 {
+            b[l] += w * a[l];
+        }
+    }
+    let n = x.len() / 8 * 8;
+    for j in n..x.len() {
+        y[j] += w * x[j];
+    }
+}
+
+/// Softmax in place: exp of each score less their maximum, over their sum.
+#[inline(always)]
+fn softmax(sc: &mut [f32]) {
+    let len = sc.len();
+    let m = sc.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    let mut lanes = [0f32; 8];
+    let chunks = len / 8;
+    for c in 0..chunks {
+        let mut x = [0f32; 8];
+        for l in 0..8 {
+            x[l] = sc[c * 8 + l] - m;
+        }
+        exp8(&mut x);
+        for l in 0..8 {
+            sc[c * 8 + l] = x[l];
+            lanes[l] += x[l];
+        }
+    }
+    let mut rest = [f32::NEG_INFINITY; 8];
+    for (l, j) in (chunks * 8..len).enumerate() {
+        rest[l] = sc[j] - m;
+    }
+    exp8(&mut rest);
+    for (l, j) in (chunks * 8..len).enumerate() {
+        sc[j] = rest[l];
+        lanes[l] += rest[l];
+    }
+    let total = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+    let inv = 1.0 / total;
+    for x in sc.iter_mut() {
+        *x *= inv;
+    }
+}
+
+/// Work item `item`: a sequence (all its KV heads), or, with fewer sequences than threads, one KV
+/// head of one (`per_head`).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn range(sh: &Shape, q: usize, k: usize, v: usize, out: usize, tables: &[i64], lengths: &[i64],
+                lo: usize, hi: usize, per_head: bool) {
+    let (mut scores, mut acc) = (Vec::new(), Vec::new());
+    for item in lo..hi {
+        let (i, g0, g1) = if per_head { (item / sh.n_kv, item % sh.n_kv, item % sh.n_kv + 1) } else { (item, 0, sh.n_kv) };
+        let table = &tables[i * sh.width..(i + 1) * sh.width];
+        one(sh, q as *const f32, k as *const f32, v as *const f32, out as *mut f32, table, lengths[i] as usize, i, g0,
+            g1, &mut scores, &mut acc);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn range_avx2(sh: &Shape, q: usize, k: usize, v: usize, out: usize, tables: &[i64], lengths: &[i64],
+                     lo: usize, hi: usize, per_head: bool) {
+    range(sh, q, k, v, out, tables, lengths, lo, hi, per_head)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run(sh: &Shape, q: usize, k: usize, v: usize, out: usize, tables: &[i64], lengths: &[i64], lo: usize, hi: usize,
+       per_head: bool) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            unsafe { range_avx2(sh, q, k, v, out, tables, lengths, lo, hi, per_head) };
+            return;
+        }
+    }
+    unsafe { range(sh, q, k, v, out, tables, lengths, lo, hi, per_head) }
+}
+
+/// `out[i, h] = softmax(q[i, h] . K_i / sqrt(d)) V_i` for each decode sequence `i` and query head
+/// `h`, with sequence `i`'s first `lengths[i]` keys in the blocks `tables[i, :]` of the pool.
+///
+/// Addresses of contiguous f32 tensors: `q`, `out` [n_seqs, n_heads, d]; `k_pool`, `v_pool`
+/// [n_blocks, block_size, n_kv_heads, d] (one layer); `tables` i64 [n_seqs, width]; `lengths`
+/// i64 [n_seqs].
+#[pyfunction]
+#[pyo3(signature = (q, k_pool, v_pool, out, tables, lengths, n_seqs, n_heads, n_kv_heads, head_dim, block_size,
+                    width, n_blocks, scale, threads))]
+#[allow(clippy::too_many_arguments)]
+pub fn paged_decode_attention(py: Python<'_>, q: usize, k_pool: usize, v_pool: usize, out: usize, tables: usize,
+                              lengths: usize, n_seqs: usize, n_heads: usize, n_kv_heads: usize, head_dim: usize,
+                              block_size: usize, width: usize, n_blocks: usize, scale: f32,
+                              threads: usize) -> PyResult<()> {
+    if n_kv_heads == 0 || n_heads % n_kv_heads != 0 || head_dim == 0 || block_size == 0 {
+        return Err(PyValueError::new_err("bad attention shape"));
+    }
+    let tables = unsafe { std::slice::from_raw_parts(tables as *const i64, n_seqs * width) };
+    let lengths = unsafe { std::slice::from_raw_parts(lengths as *const i64, n_seqs) };
+    for i in 0..n_seqs {
+        let len = lengths[i];
+        if len < 1 || len as usize > width * block_size {
+            return Err(PyValueError::new_err(format!("sequence {i}: {len} keys do not fit its {width} blocks")));
+        }
+        let used = (len as usize).div_ceil(block_size);
+        if tables[i * width..i * width + used].iter().any(|&b| b < 0 || b as usize >= n_blocks) {
+            return Err(PyValueError::new_err(format!("sequence {i}: a block id outside the pool's {n_blocks}")));
+        }
+    }
+    let sh = Shape { n_seqs, n_heads, n_kv: n_kv_heads, d: head_dim, bs: block_size, width, scale };
+    let per_head = n_seqs < threads.max(1) * 2;
+    let items = if per_head { sh.n_seqs * sh.n_kv } else { sh.n_seqs };
+    let threads = threads.clamp(1, items.max(1));
+    py.detach(|| {
+        if threads == 1 {
+            run(&sh, q, k_pool, v_pool, out, tables, lengths, 0, items, per_head);
+            return;
+        }
+        thread::scope(|scope| {
+            let per = items.div_ceil(threads);
+            for t in 0..threads {
+                let (lo, hi) = (t * per, ((t + 1) * per).min(items));
+                if lo >= hi {
+                    continue;
+                }
+                let sh = &sh;
+                scope.spawn(move || run(sh, q, k_pool, v_pool, out, tables, lengths, lo, hi, per_head));
+            }
+        });
+    });
+    Ok(())
+}
