@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from inference_node.model import native_attention
+from inference_node.model import native
 from inference_node.model.config import ModelConfig, rope_inv_freq
 
 
@@ -185,7 +185,7 @@ class Attention(nn.Module):
         cfg = self.cfg
         t = x.shape[0]
         h, kvh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        qkv = F.linear(x, self.qkv.get())
+        qkv = native.linear(x, self.qkv.get())
         q = apply_rope(qkv[:, :h * d].view(t, h, d), cos, sin)
         k = apply_rope(qkv[:, h * d:(h + kvh) * d].view(t, kvh, d), cos, sin)
         v = qkv[:, (h + kvh) * d:].view(t, kvh, d)
@@ -193,9 +193,9 @@ class Attention(nn.Module):
         pool_k.view(-1, kvh, d)[plan.slots] = k.to(pool_k.dtype)
         pool_v.view(-1, kvh, d)[plan.slots] = v.to(pool_v.dtype)
         out = torch.empty(t, h, d, device=x.device, dtype=x.dtype)
-        if plan.decode_rows is not None and native_attention.usable(x.dtype, x.device):
+        if plan.decode_rows is not None and native.usable(x.dtype, x.device):
             assert plan.decode_blocks is not None and plan.decode_lengths is not None
-            out[plan.decode_rows] = native_attention.decode_attention(
+            out[plan.decode_rows] = native.decode_attention(
                 q[plan.decode_rows], pool_k, pool_v, plan.decode_blocks, plan.decode_lengths)
         elif plan.decode_rows is not None:
             # Every decode token at once: its sequence's blocks gathered (padded, masked).
@@ -218,7 +218,7 @@ class Attention(nn.Module):
                 mask = torch.arange(end, device=x.device)[None, :] <= qpos
                 o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask, enable_gqa=True)
             out[offset:offset + n_new] = o.transpose(0, 1)
-        projected: Tensor = self.o_proj(out.reshape(t, h * d))
+        projected: Tensor = native.linear(out.reshape(t, h * d), self.o_proj.weight)
         return projected
 
 
@@ -231,8 +231,8 @@ class MLP(nn.Module):
         self.gate_up = Fused(self.gate_proj, self.up_proj)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = F.linear(x, self.gate_up.get()).chunk(2, dim=-1)
-        out: Tensor = self.down_proj(F.silu(gate) * up)
+        gate, up = native.linear(x, self.gate_up.get()).chunk(2, dim=-1)
+        out: Tensor = native.linear(F.silu(gate) * up, self.down_proj.weight)
         return out
 
 
@@ -301,7 +301,7 @@ class LlamaModel(nn.Module):
             for item in batch:
                 offset += len(item.token_ids)
                 last.append(offset - 1)
-            return list(self.lm_head(self.norm(x[last])).float().unbind(0))
+            return list(native.linear(self.norm(x[last]), self.lm_head.weight).float().unbind(0))
         out, offset = [], 0
         for item in batch:
             n = len(item.token_ids)

@@ -59,7 +59,7 @@ fn exp8(x: &mut [f32; 8]) {
         let r = v - n[l] * LN2_HI - n[l] * LN2_LO;
         let z = r * r;
         let y = (((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
-            + 1.666_666_5e-1) * r + 5.000_000_1e-1) * z + r + 1.0;
+            + 1.666_666_5e-1) * r + 0.5) * z + r + 1.0;
         let bits = ((n[l] as i32 + 127) << 23) as u32;
         x[l] = if x[l] < -87.336_55 { 0.0 } else { y * f32::from_bits(bits) };
     }
@@ -111,6 +111,132 @@ unsafe fn one(sh: &Shape, q: *const f32, k: *const f32, v: *const f32, out: *mut
     std::ptr::copy_nonoverlapping(acc.as_ptr(), obase, heads * d);
 }
 
+/// `one` with AVX2 for head sizes that are a multiple of eight. The pool is walked in address
+/// order, four key rows (all KV heads) at a time, the same rows of the next block prefetched
+/// meanwhile (blocks lie anywhere in the pool): scores as four independent sums per query head,
+/// reduced together; then the values, four rows at a time into each head's sum.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn one_avx2(sh: &Shape, q: *const f32, k: *const f32, v: *const f32, out: *mut f32, table: &[i64], len: usize,
+                   i: usize, g0: usize, g1: usize, scores: &mut Vec<f32>, acc: &mut Vec<f32>) {
+    use std::arch::x86_64::*;
+    let (d, bs, group, stride) = (sh.d, sh.bs, sh.n_heads / sh.n_kv, sh.n_kv * sh.d);
+    let chunks = d / 8;
+    let heads = (g1 - g0) * group;
+    scores.clear();
+    scores.resize(heads * len, 0.0);
+    acc.clear();
+    acc.resize(heads * d, 0.0);
+    let qs = q.add((i * sh.n_heads + g0 * group) * d);
+    let scale = _mm_set1_ps(sh.scale);
+    let n_blocks = len.div_ceil(bs);
+    // The part of a row this item reads: KV heads g0..g1, in cache lines of 16 floats.
+    let (col0, cols) = (g0 * d, (g1 - g0) * d);
+    let prefetch = |next: *const f32, r: usize, n: usize| {
+        for row in r..r + n {
+            let mut c = 0;
+            while c < cols {
+                _mm_prefetch::<_MM_HINT_T0>(next.add(row * stride + col0 + c) as *const i8);
+                c += 16;
+            }
+        }
+    };
+    for (b, &blk) in table[..n_blocks].iter().enumerate() {
+        let (first, rows) = (b * bs, bs.min(len - b * bs));
+        let base = k.add(blk as usize * bs * stride);
+        let next = table.get(b + 1).filter(|_| b + 1 < n_blocks).map(|&n| k.add(n as usize * bs * stride));
+        let mut r = 0;
+        while r + 4 <= rows {
+            if let Some(next) = next {
+                prefetch(next, r, 4);
+            }
+            for g in g0..g1 {
+                let k0 = base.add(r * stride + g * d);
+                let (k1, k2, k3) = (k0.add(stride), k0.add(2 * stride), k0.add(3 * stride));
+                for h in (g - g0) * group..(g - g0 + 1) * group {
+                    let qh = qs.add(h * d);
+                    let z = _mm256_setzero_ps();
+                    let (mut a0, mut a1, mut a2, mut a3) = (z, z, z, z);
+                    for c in 0..chunks {
+                        let qv = _mm256_loadu_ps(qh.add(c * 8));
+                        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0.add(c * 8)), a0);
+                        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1.add(c * 8)), a1);
+                        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2.add(c * 8)), a2);
+                        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3.add(c * 8)), a3);
+                    }
+                    let s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+                    let s = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+                    _mm_storeu_ps(scores.as_mut_ptr().add(h * len + first + r), _mm_mul_ps(s, scale));
+                }
+            }
+            r += 4;
+        }
+        for r in r..rows {
+            for g in g0..g1 {
+                let kr = base.add(r * stride + g * d);
+                for h in (g - g0) * group..(g - g0 + 1) * group {
+                    let qh = qs.add(h * d);
+                    let mut a = _mm256_setzero_ps();
+                    for c in 0..chunks {
+                        a = _mm256_fmadd_ps(_mm256_loadu_ps(qh.add(c * 8)), _mm256_loadu_ps(kr.add(c * 8)), a);
+                    }
+                    let s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+                    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+                    *scores.as_mut_ptr().add(h * len + first + r) = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s))) * sh.scale;
+                }
+            }
+        }
+    }
+    for h in 0..heads {
+        softmax_avx2(&mut scores[h * len..h * len + len]);
+    }
+    let sc = scores.as_ptr();
+    for (b, &blk) in table[..n_blocks].iter().enumerate() {
+        let (first, rows) = (b * bs, bs.min(len - b * bs));
+        let base = v.add(blk as usize * bs * stride);
+        let next = table.get(b + 1).filter(|_| b + 1 < n_blocks).map(|&n| v.add(n as usize * bs * stride));
+        let mut r = 0;
+        while r < rows {
+            let n = (rows - r).min(4);
+            if let Some(next) = next {
+                prefetch(next, r, n);
+            }
+            for g in g0..g1 {
+                let v0 = base.add(r * stride + g * d);
+                for h in (g - g0) * group..(g - g0 + 1) * group {
+                    let ah = acc.as_mut_ptr().add(h * d);
+                    let w = sc.add(h * len + first + r);
+                    if n == 4 {
+                        let (w0, w1, w2, w3) = (_mm256_set1_ps(*w), _mm256_set1_ps(*w.add(1)), _mm256_set1_ps(*w.add(2)),
+                                                _mm256_set1_ps(*w.add(3)));
+                        for c in 0..chunks {
+                            let o = c * 8;
+                            let x = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0.add(o)), _mm256_loadu_ps(ah.add(o)));
+                            let y = _mm256_mul_ps(w1, _mm256_loadu_ps(v0.add(stride + o)));
+                            let x = _mm256_fmadd_ps(w2, _mm256_loadu_ps(v0.add(2 * stride + o)), x);
+                            let y = _mm256_fmadd_ps(w3, _mm256_loadu_ps(v0.add(3 * stride + o)), y);
+                            _mm256_storeu_ps(ah.add(o), _mm256_add_ps(x, y));
+                        }
+                    } else {
+                        for j in 0..n {
+                            let wj = _mm256_set1_ps(*w.add(j));
+                            for c in 0..chunks {
+                                let o = c * 8;
+                                let x = _mm256_fmadd_ps(wj, _mm256_loadu_ps(v0.add(j * stride + o)), _mm256_loadu_ps(ah.add(o)));
+                                _mm256_storeu_ps(ah.add(o), x);
+                            }
+                        }
+                    }
+                }
+            }
+            r += n;
+        }
+    }
+    let obase = out.add((i * sh.n_heads + g0 * group) * d);
+    std::ptr::copy_nonoverlapping(acc.as_ptr(), obase, heads * d);
+}
+
 /// `y += w * x`, eight lanes at a time.
 #[inline(always)]
 fn axpy(w: f32, x: &[f32], y: &mut [f32]) {
@@ -123,6 +249,63 @@ fn axpy(w: f32, x: &[f32], y: &mut [f32]) {
     let n = x.len() / 8 * 8;
     for j in n..x.len() {
         y[j] += w * x[j];
+    }
+}
+
+/// `softmax` with AVX2: `exp8`'s scheme on eight lanes at once (fused multiply-adds in the
+/// range reduction and the polynomial, so the last bit may differ from `exp8`).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn softmax_avx2(sc: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let len = sc.len();
+    let m = sc.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    let p = sc.as_mut_ptr();
+    let (mv, lo) = (_mm256_set1_ps(m), _mm256_set1_ps(-87.336_55));
+    let exp = |x: __m256| -> __m256 {
+        let v = _mm256_max_ps(x, lo);
+        let n = _mm256_floor_ps(_mm256_fmadd_ps(v, _mm256_set1_ps(std::f32::consts::LOG2_E), _mm256_set1_ps(0.5)));
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), v);
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
+        let z = _mm256_mul_ps(r, r);
+        let mut y = _mm256_fmadd_ps(_mm256_set1_ps(1.987_569_1e-4), r, _mm256_set1_ps(1.398_199_9e-3));
+        y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.333_452e-3));
+        y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.166_579_6e-2));
+        y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.666_666_5e-1));
+        y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(0.5));
+        y = _mm256_add_ps(_mm256_fmadd_ps(y, z, r), _mm256_set1_ps(1.0));
+        let e = _mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)));
+        let y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+        _mm256_and_ps(y, _mm256_cmp_ps::<_CMP_GE_OQ>(x, lo))
+    };
+    let mut total = _mm256_setzero_ps();
+    let mut j = 0;
+    while j + 8 <= len {
+        let e = exp(_mm256_sub_ps(_mm256_loadu_ps(p.add(j)), mv));
+        _mm256_storeu_ps(p.add(j), e);
+        total = _mm256_add_ps(total, e);
+        j += 8;
+    }
+    let mut buf = [f32::NEG_INFINITY; 8];
+    for (l, t) in (j..len).enumerate() {
+        buf[l] = *p.add(t) - m;
+    }
+    let e = exp(_mm256_loadu_ps(buf.as_ptr()));
+    _mm256_storeu_ps(buf.as_mut_ptr(), e);
+    total = _mm256_add_ps(total, e);
+    for (l, t) in (j..len).enumerate() {
+        *p.add(t) = buf[l];
+    }
+    let s = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let inv = _mm256_set1_ps(1.0 / _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s))));
+    let mut j = 0;
+    while j + 8 <= len {
+        _mm256_storeu_ps(p.add(j), _mm256_mul_ps(_mm256_loadu_ps(p.add(j)), inv));
+        j += 8;
+    }
+    for t in j..len {
+        *p.add(t) *= _mm_cvtss_f32(_mm256_castps256_ps128(inv));
     }
 }
 
@@ -165,13 +348,19 @@ fn softmax(sc: &mut [f32]) {
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn range(sh: &Shape, q: usize, k: usize, v: usize, out: usize, tables: &[i64], lengths: &[i64],
-                lo: usize, hi: usize, per_head: bool) {
+                lo: usize, hi: usize, per_head: bool, simd: bool) {
     let (mut scores, mut acc) = (Vec::new(), Vec::new());
     for item in lo..hi {
         let (i, g0, g1) = if per_head { (item / sh.n_kv, item % sh.n_kv, item % sh.n_kv + 1) } else { (item, 0, sh.n_kv) };
         let table = &tables[i * sh.width..(i + 1) * sh.width];
-        one(sh, q as *const f32, k as *const f32, v as *const f32, out as *mut f32, table, lengths[i] as usize, i, g0,
-            g1, &mut scores, &mut acc);
+        let (qp, kp, vp, op, len) = (q as *const f32, k as *const f32, v as *const f32, out as *mut f32, lengths[i] as usize);
+        #[cfg(target_arch = "x86_64")]
+        if simd {
+            one_avx2(sh, qp, kp, vp, op, table, len, i, g0, g1, &mut scores, &mut acc);
+            continue;
+        }
+        let _ = simd;
+        one(sh, qp, kp, vp, op, table, len, i, g0, g1, &mut scores, &mut acc);
     }
 }
 
@@ -180,7 +369,7 @@ unsafe fn range(sh: &Shape, q: usize, k: usize, v: usize, out: usize, tables: &[
 #[allow(clippy::too_many_arguments)]
 unsafe fn range_avx2(sh: &Shape, q: usize, k: usize, v: usize, out: usize, tables: &[i64], lengths: &[i64],
                      lo: usize, hi: usize, per_head: bool) {
-    range(sh, q, k, v, out, tables, lengths, lo, hi, per_head)
+    range(sh, q, k, v, out, tables, lengths, lo, hi, per_head, sh.d.is_multiple_of(8))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -193,7 +382,7 @@ fn run(sh: &Shape, q: usize, k: usize, v: usize, out: usize, tables: &[i64], len
             return;
         }
     }
-    unsafe { range(sh, q, k, v, out, tables, lengths, lo, hi, per_head) }
+    unsafe { range(sh, q, k, v, out, tables, lengths, lo, hi, per_head, false) }
 }
 
 /// `out[i, h] = softmax(q[i, h] . K_i / sqrt(d)) V_i` for each decode sequence `i` and query head
@@ -210,7 +399,7 @@ pub fn paged_decode_attention(py: Python<'_>, q: usize, k_pool: usize, v_pool: u
                               lengths: usize, n_seqs: usize, n_heads: usize, n_kv_heads: usize, head_dim: usize,
                               block_size: usize, width: usize, n_blocks: usize, scale: f32,
                               threads: usize) -> PyResult<()> {
-    if n_kv_heads == 0 || n_heads % n_kv_heads != 0 || head_dim == 0 || block_size == 0 {
+    if n_kv_heads == 0 || !n_heads.is_multiple_of(n_kv_heads) || head_dim == 0 || block_size == 0 {
         return Err(PyValueError::new_err("bad attention shape"));
     }
     let tables = unsafe { std::slice::from_raw_parts(tables as *const i64, n_seqs * width) };
@@ -228,7 +417,9 @@ pub fn paged_decode_attention(py: Python<'_>, q: usize, k_pool: usize, v_pool: u
     let sh = Shape { n_seqs, n_heads, n_kv: n_kv_heads, d: head_dim, bs: block_size, width, scale };
     let per_head = n_seqs < threads.max(1) * 2;
     let items = if per_head { sh.n_seqs * sh.n_kv } else { sh.n_seqs };
-    let threads = threads.clamp(1, items.max(1));
+    // A thread costs ~0.1-0.2 ms to start: worth it past ~1M key elements (4 MB of keys).
+    let work: usize = lengths.iter().map(|&l| l as usize).sum::<usize>() * n_kv_heads * head_dim;
+    let threads = if work < (1 << 20) { 1 } else { threads.clamp(1, items.max(1)) };
     py.detach(|| {
         if threads == 1 {
             run(&sh, q, k_pool, v_pool, out, tables, lengths, 0, items, per_head);

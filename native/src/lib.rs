@@ -23,6 +23,7 @@ use std::collections::HashMap;
 
 mod adaptive;
 mod attention;
+mod gemm;
 mod lifetables;
 
 /// A `node_blocks` row without its key; times in PostgreSQL's microseconds since 2000-01-01.
@@ -464,5 +465,6 @@ fn kvflow_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<adaptive::BandsShadow>()?;
     m.add_class::<lifetables::LifeTables>()?;
     m.add_function(wrap_pyfunction!(attention::paged_decode_attention, m)?)?;
+    m.add_function(wrap_pyfunction!(gemm::small_batch_linear, m)?)?;
     Ok(())
 }
