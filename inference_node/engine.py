@@ -1,11 +1,12 @@
 """The engine: one thread that owns the model, the KV core and the publisher, and runs requests.
 
-Each loop iteration it (1) admits waiting requests, one prefill at a time (the KV core matches the
-cached prefix; only the uncached suffix is computed, reading the prefix from the pool), (2) runs
-one decode step for every running request in one batched forward (continuous batching: requests
-join and leave between steps), (3) performs the block copies the core asks for (offload to and
-onboard from the host pool, before the forward that needs them), and (4) drains the core's events
-to the publisher. ``NodeStats`` heartbeats go out from a thread of their own
+Each loop iteration is one forward of the model over a ragged batch (continuous batching, as
+vLLM's scheduler does it): (1) every running request's next token (decode), then (2) the prompts
+of waiting requests admitted now, as many as ``max_running`` and a budget of ``max_batch_tokens``
+new tokens allow (at least one; the KV core matches each cached prefix, so only the uncached
+suffix is computed, reading the prefix from the pool); (3) the block copies the core asks for
+(offload to and onboard from the host pool) run before that forward, and (4) the core's events
+are drained to the publisher after it. ``NodeStats`` heartbeats go out from a thread of their own
 (``inference_node.heartbeat``),
 so that a long prefill does not make the node look gone; a node that stops says goodbye with a
 last heartbeat (:meth:`Engine.stop`).
@@ -23,9 +24,12 @@ Everything that touches the core or the tensors happens on this thread; the HTTP
 to it through :meth:`Engine.submit` (outputs come back on an asyncio queue) and
 :meth:`Engine.call` (a function run between steps, e.g. to read the ground truth).
 
-NOTE: prefills run one request at a time, before the decode step. A prompt's new blocks are
-cached (``stored``) when it is admitted, before its forward writes them; no other request can
-match them until that forward is done, because nothing else is admitted in between.
+NOTE: a prompt's new blocks are cached (``stored``) when it is admitted, before the forward
+writes them, and a prompt admitted after it in the same step may match them. That is sound because
+the forward writes every new token's keys and values of a layer into the pool before any attention
+of that layer reads it (``inference_node.model.llama.Attention``): the later prompt reads the
+earlier one's keys as they are computed, layer by layer. Running requests take their next blocks
+before new prompts are admitted, so admission never starves a running request.
 """
 
 from __future__ import annotations
@@ -161,7 +165,8 @@ class Engine:
 
     def __init__(self, *, model: LlamaModel, tokenizer: Tokenizer, core: KVCacheManager, gpu_pool: KVPool,
                  host_pool: KVPool | None, publisher: Publisher, node_id: NodeId, instance_id: InstanceId,
-                 url: str, model_name: str, max_running: int = 32, heartbeat_s: float = 1.0,
+                 url: str, model_name: str, max_running: int = 32, max_batch_tokens: int = 2048,
+                 heartbeat_s: float = 1.0,
                  control: ControlListener | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -176,6 +181,7 @@ class Engine:
         self.block_size = core.block_size
         self.context_len = model.cfg.max_position_embeddings
         self.max_running = max_running
+        self.max_batch_tokens = max_batch_tokens
         self.heartbeat_s = heartbeat_s
         self.control = control
         self.stats = EngineStats()
@@ -253,11 +259,9 @@ class Engine:
             while not self._stop.is_set():
                 self._serve_calls()
                 self._handle_cancels()
-                admitted = self._admit()
-                if self._running:
-                    self._decode_step()
+                worked = self._step()
                 self._housekeeping()
-                if not self._running and not admitted:
+                if not worked:
                     with self._wake:
                         if not (self._waiting or self._calls or self._cancelled or self._stop.is_set()):
                             self._wake.wait(timeout=0.05)
@@ -305,69 +309,41 @@ class Engine:
         self.core.tick()
         self.publisher.pump()
 
-    # ----------------------------------------------------------------- prefill
+    # ----------------------------------------------------------------- one step
 
-    def _admit(self) -> bool:
-        admitted = False
-        while self._waiting and len(self._running) < self.max_running:
-            with self._wake:
-                req, handle = self._waiting[0]
-            try:
-                ok = self._prefill(req, handle)
-            except OutOfBlocks:
-                if not self._running:  # nothing will free blocks: this prompt cannot fit now
-                    with self._wake:
-                        self._waiting.popleft()
-                    self.stats.rejected += 1
-                    handle.put(Output(None, True, "error", error="the KV cache cannot hold this prompt right now"))
-                    continue
-                return admitted  # wait for running requests to finish and free blocks
-            except _Unservable as exc:  # this request, not the engine: nothing of it was allocated
-                log.warning("request %s refused: %s", req.request_id, exc)
-                with self._wake:
-                    self._waiting.popleft()
-                self.stats.rejected += 1
-                handle.put(Output(None, True, "error", error=f"request refused: {exc}"))
-                continue
-            with self._wake:
-                self._waiting.popleft()
-            admitted = admitted or ok
-            break  # one prefill per iteration keeps decode latency bounded
-        return admitted
-
-    def _prefill(self, req: GenerationRequest, handle: RequestHandle) -> bool:
-        # What can fail for this request alone fails before the core caches anything of it: once
-        # allocated, its new blocks are cached and must be computed, so a later failure is fatal.
-        try:
-            params = req.params()
-            if params.seed is not None and not -(1 << 63) <= params.seed < 1 << 64:
-                raise ValueError(f"seed {params.seed} is not a 64-bit integer")
-            params.validate(self.model.cfg.vocab_size)
-            sampler = Sampler(params, req.prompt_ids, req.seed_offset)
-            prompt = Prompt.from_tokens(req.prompt_ids, self.block_size, lora_id=req.lora_id,
-                                        cache_salt=req.cache_salt)
-        except (ValueError, OverflowError, TypeError) as exc:
-            raise _Unservable(f"{type(exc).__name__}: {exc}") from exc
-        alloc = self.core.allocate(req.request_id, prompt, req.retention)
-        self.stats.requests += 1
-        self._copy(alloc.copies)
-        n = len(req.prompt_ids)
-        # At least the last prompt token is computed: its logits give the first output token.
-        start = min(alloc.num_cached_tokens, n - 1)
+    def _step(self) -> bool:
+        """One forward: the next token of every running request and the prompts admitted now.
+        False when there was nothing to compute."""
+        batch, runs = self._decode_items()
+        prefills = self._admit(len(batch))
+        if not batch and not prefills:
+            return False
+        items = batch + [item for _, item in prefills]
         t0 = time.perf_counter()
-        logits = self.model([SeqBatchItem(req.prompt_ids[start:], start, alloc.block_table)], self.gpu_pool)[0]
-        self.stats.prefill_seconds += time.perf_counter() - t0
-        self.stats.prefill_tokens_computed += n - start
-        sampled = sampler.sample(logits)
-        run = _Running(req, handle, n, start, sampler, Detokenizer(self.tokenizer), StopStrings(req.stop),
-                       sampled.token_id)
-        self._running[req.request_id] = run
-        self._emit(run, sampled)
+        logits = self.model(items, self.gpu_pool)
+        dt = time.perf_counter() - t0
+        prefill_tokens = sum(len(item.token_ids) for _, item in prefills)
+        share = prefill_tokens / (prefill_tokens + len(batch))  # the forward's time, split by tokens
+        self.stats.prefill_seconds += dt * share
+        self.stats.prefill_tokens_computed += prefill_tokens
+        if batch:
+            self.stats.decode_seconds += dt * (1 - share)
+            self.stats.decode_steps += 1
+            sampled_all = Sampler.sample_batch([r.sampler for r in runs], torch.stack(logits[:len(batch)]))
+            for run, sampled in zip(runs, sampled_all, strict=True):
+                run.last_token = sampled.token_id
+                run.generated += 1
+                self._emit(run, sampled)
+        for (run, _), row in zip(prefills, logits[len(batch):], strict=True):
+            sampled = run.sampler.sample(row)
+            run.last_token = sampled.token_id
+            self._running[run.req.request_id] = run
+            self._emit(run, sampled)
         return True
 
-    # ----------------------------------------------------------------- decode
-
-    def _decode_step(self) -> None:
+    def _decode_items(self) -> tuple[list[SeqBatchItem], list[_Running]]:
+        """Each running request's last token, its next slot allocated (a request that gets no
+        block ends here, see docs/node.md "Known limits")."""
         batch: list[SeqBatchItem] = []
         runs: list[_Running] = []
         for run in list(self._running.values()):
@@ -383,17 +359,68 @@ class Engine:
             self._copy(copies)
             batch.append(SeqBatchItem([run.last_token], pos, self.core.block_table(rid)))
             runs.append(run)
-        if not batch:
-            return
-        t0 = time.perf_counter()
-        logits = self.model(batch, self.gpu_pool)
-        self.stats.decode_seconds += time.perf_counter() - t0
-        self.stats.decode_steps += 1
-        sampled_all = Sampler.sample_batch([r.sampler for r in runs], torch.stack(logits))
-        for run, sampled in zip(runs, sampled_all, strict=True):
-            run.last_token = sampled.token_id
-            run.generated += 1
-            self._emit(run, sampled)
+        return batch, runs
+
+    def _admit(self, decoding: int) -> list[tuple[_Running, SeqBatchItem]]:
+        """Waiting requests admitted into this step, in order: while ``max_running`` allows and
+        their new tokens fit the step's budget (the first one always does)."""
+        admitted: list[tuple[_Running, SeqBatchItem]] = []
+        budget = self.max_batch_tokens - decoding
+        while self._waiting and len(self._running) + len(admitted) < self.max_running:
+            with self._wake:
+                req, handle = self._waiting[0]
+            try:
+                prepared = self._prepare(req, handle)
+            except _Unservable as exc:  # this request, not the engine: nothing of it was allocated
+                log.warning("request %s refused: %s", req.request_id, exc)
+                with self._wake:
+                    self._waiting.popleft()
+                self.stats.rejected += 1
+                handle.put(Output(None, True, "error", error=f"request refused: {exc}"))
+                continue
+            if admitted and len(req.prompt_ids) - sum(self.core.match_prefix(prepared[1])) * self.block_size > budget:
+                break  # the next step takes it
+            try:
+                run, item = self._allocate(req, handle, *prepared)
+            except OutOfBlocks:
+                if not self._running and not admitted:  # nothing will free blocks: it cannot fit now
+                    with self._wake:
+                        self._waiting.popleft()
+                    self.stats.rejected += 1
+                    handle.put(Output(None, True, "error", error="the KV cache cannot hold this prompt right now"))
+                    continue
+                break  # wait for running requests to finish and free blocks
+            with self._wake:
+                self._waiting.popleft()
+            admitted.append((run, item))
+            budget -= len(item.token_ids)
+        return admitted
+
+    def _prepare(self, req: GenerationRequest, handle: RequestHandle) -> tuple[Sampler, Prompt]:
+        """What can fail for this request alone fails here, before the core caches anything of it:
+        once allocated, its new blocks are cached and must be computed, so a later failure is fatal."""
+        try:
+            params = req.params()
+            if params.seed is not None and not -(1 << 63) <= params.seed < 1 << 64:
+                raise ValueError(f"seed {params.seed} is not a 64-bit integer")
+            params.validate(self.model.cfg.vocab_size)
+            sampler = Sampler(params, req.prompt_ids, req.seed_offset)
+            prompt = Prompt.from_tokens(req.prompt_ids, self.block_size, lora_id=req.lora_id,
+                                        cache_salt=req.cache_salt)
+        except (ValueError, OverflowError, TypeError) as exc:
+            raise _Unservable(f"{type(exc).__name__}: {exc}") from exc
+        return sampler, prompt
+
+    def _allocate(self, req: GenerationRequest, handle: RequestHandle, sampler: Sampler,
+                  prompt: Prompt) -> tuple[_Running, SeqBatchItem]:
+        alloc = self.core.allocate(req.request_id, prompt, req.retention)
+        self.stats.requests += 1
+        self._copy(alloc.copies)
+        n = len(req.prompt_ids)
+        # At least the last prompt token is computed: its logits give the first output token.
+        start = min(alloc.num_cached_tokens, n - 1)
+        run = _Running(req, handle, n, start, sampler, Detokenizer(self.tokenizer), StopStrings(req.stop), -1)
+        return run, SeqBatchItem(req.prompt_ids[start:], start, alloc.block_table)
 
     def _emit(self, run: _Running, sampled: Sampled) -> None:
         """Send one sampled token with the text it makes safe to show; end the sequence on EOS, a

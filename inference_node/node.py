@@ -52,6 +52,8 @@ class NodeSettings(BaseSettings):
     model_preset: Literal["tiny", "small"] = Field(default="small", description="Random model size.")
     seed: int = Field(default=0, description="Seed of the random weights.")
     max_running: int = Field(default=32, ge=1, description="Requests decoded together at most.")
+    max_batch_tokens: int = Field(default=2048, ge=1, description="New tokens in one forward at most (decode "
+                                  "tokens and admitted prompts' uncached tokens; a longer prompt runs alone).")
     heartbeat_s: float = Field(default=1.0, gt=0, le=2.0, description="NodeStats interval.")
     max_queued_events: int = Field(default=100_000, ge=1, description="Events held while Kafka is away.")
     max_inflight_batches: int = Field(default=1000, ge=1,
@@ -148,7 +150,8 @@ def build_node(s: NodeSettings, kafka: KafkaSettings | None = None, *, sink: Sin
     publisher = Publisher(core, sink, s.node_id, instance_id, max_in_flight=s.max_inflight_batches)
     engine = Engine(model=model, tokenizer=tokenizer, core=core, gpu_pool=gpu_pool, host_pool=host_pool,
                     publisher=publisher, node_id=s.node_id, instance_id=instance_id, url=url,
-                    model_name=model.cfg.name, max_running=s.max_running, heartbeat_s=s.heartbeat_s,
+                    model_name=model.cfg.name, max_running=s.max_running, max_batch_tokens=s.max_batch_tokens,
+                    heartbeat_s=s.heartbeat_s,
                     control=control)
     node = Node(s, instance_id, url, device, model, tokenizer, core, engine, sink, control,
                 load_chat_template(s.model_dir))

@@ -244,6 +244,8 @@ def node_cmd(
     adaptive: Annotated[bool | None, typer.Option("--adaptive/--no-adaptive",
                                                   help="Learned priorities without hints.")] = None,
     kafka: Annotated[bool | None, typer.Option("--kafka/--no-kafka", help="Publish events to Kafka.")] = None,
+    max_batch_tokens: Annotated[int | None, typer.Option("--max-batch-tokens",
+                                                         help="New tokens in one forward at most.")] = None,
     log_level: Annotated[str, typer.Option(help="Log level.")] = "info",
 ) -> None:
     """Run one inference node: a torch model over the paged KV cache, its HTTP API, events to Kafka."""
@@ -258,7 +260,8 @@ def node_cmd(
         "node_id": node_id, "host": host, "port": port, "num_blocks": num_blocks, "host_blocks": host_blocks,
         "block_size": block_size, "device": device, "dtype": dtype, "model_dir": model_dir,
         "model_preset": model_preset,
-        "advertise_url": advertise_url, "adaptive": adaptive, "kafka": kafka}.items() if v is not None}
+        "advertise_url": advertise_url, "adaptive": adaptive, "kafka": kafka,
+        "max_batch_tokens": max_batch_tokens}.items() if v is not None}
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def run() -> None:
