@@ -27,7 +27,7 @@ struct Shape {
 }
 
 #[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     // Eight independent lanes: the compiler keeps them in one vector register (no reassociation).
     let mut acc = [0f32; 8];
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));

@@ -26,19 +26,7 @@ unsafe fn rows_scalar(d: &Dims, x: *const f32, w: *const f32, y: *mut f32, j0: u
         let wr = std::slice::from_raw_parts(w.add(j * d.k), d.k);
         for i in 0..d.m {
             let xr = std::slice::from_raw_parts(x.add(i * d.k), d.k);
-            let mut acc = [0f32; 8];
-            let (cw, cx) = (wr.chunks_exact(8), xr.chunks_exact(8));
-            let (rw, rx) = (cw.remainder(), cx.remainder());
-            for (a, b) in cw.zip(cx) {
-                for l in 0..8 {
-                    acc[l] += a[l] * b[l];
-                }
-            }
-            let mut s = acc.iter().sum::<f32>();
-            for (a, b) in rw.iter().zip(rx) {
-                s += a * b;
-            }
-            *y.add(i * d.n + j) = s;
+            *y.add(i * d.n + j) = crate::attention::dot(wr, xr);
         }
     }
 }

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from eventbus.publisher import InMemorySink
-from inference_node.engine import GenerationRequest, Output
+from inference_node.engine import GenerationRequest, Output, RequestHandle
 from inference_node.node import Node, NodeSettings, build_node
 
 
@@ -31,12 +31,17 @@ def generate(node: Node, prompt: list[int], max_tokens: int = 6, **kw) -> tuple[
     async def run() -> tuple[list[int], Output]:
         rid = kw.pop("request_id", f"r-{id(prompt)}-{asyncio.get_running_loop().time()}")
         handle = node.engine.submit(GenerationRequest(rid, prompt, max_tokens, **kw), asyncio.get_running_loop())
-        tokens = []
-        async for out in handle:
-            if out.token_id is not None:
-                tokens.append(out.token_id)
-            if out.finished:
-                return tokens, out
-        raise AssertionError("no final output")
+        return await collect(handle)
 
     return asyncio.run(run())
+
+
+async def collect(handle: RequestHandle) -> tuple[list[int], Output]:
+    """A request's tokens and its final output."""
+    tokens = []
+    async for out in handle:
+        if out.token_id is not None:
+            tokens.append(out.token_id)
+        if out.finished:
+            return tokens, out
+    raise AssertionError("no final output")

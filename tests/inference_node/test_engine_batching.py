@@ -8,7 +8,7 @@ import threading
 
 from inference_node.engine import GenerationRequest, Output
 
-from .conftest import generate, make_node
+from .conftest import collect, generate, make_node
 
 
 def _together(node, prompts: list[list[int]], max_tokens: int) -> list[tuple[list[int], Output]]:
@@ -22,16 +22,7 @@ def _together(node, prompts: list[list[int]], max_tokens: int) -> list[tuple[lis
                    for i, p in enumerate(prompts)]
         hold.set()
 
-        async def drain(handle):
-            tokens = []
-            async for out in handle:
-                if out.token_id is not None:
-                    tokens.append(out.token_id)
-                if out.finished:
-                    return tokens, out
-            raise AssertionError("no final output")
-
-        return list(await asyncio.gather(*(drain(h) for h in handles)))
+        return list(await asyncio.gather(*(collect(h) for h in handles)))
 
     return asyncio.run(run())
 
