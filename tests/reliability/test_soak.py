@@ -29,7 +29,7 @@ from tests.support import (
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-SOAK_S = float(os.environ.get("KVFLOW_SOAK_S", "90"))
+SOAK_S = float(os.environ.get("KVFLOW_SOAK_S", "60"))
 #: The materializer is done with the backlog this soon after the load stops (seconds).
 CATCH_UP_S = 15.0
 
