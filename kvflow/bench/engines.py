@@ -16,7 +16,9 @@ capacity. Every request is a streamed chat, greedy, exactly ``max_tokens`` gener
   tokens served from cache and their TTFT p50/p99.
 
 Each engine at each dtype is started once (vLLM compiles its model at start: minutes) with a KV
-cache of ``kv_tokens`` tokens, which holds the concurrent chats but not the flood.
+cache of ``kv_tokens`` tokens, which holds the concurrent chats but not the flood. Both engines of
+a dtype are up together and their rounds interleave (kvflow, vLLM, then vLLM, kvflow, …), so that
+a machine whose speed drifts during the run weighs on both alike.
 
 Ratios are kvflow / vLLM at the same dtype (``tokens_per_s_*``: ≥ 0.8 is the goal; ``ttft_*``: ≤
 1.25; pressure: cached share ≥ 1.2, TTFT p99 ≤ 0.7; memory ≤ 1). Each scenario runs ``rounds``
@@ -134,18 +136,24 @@ def bench_engines(model_dir: Path, logs: Path, *, dtypes: tuple[str, ...] = ("fl
     rounds_of: dict[tuple[str, str], list[dict[str, Any]]] = {}
     pressure_of: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for dtype in dtypes:
-        for name in engines:
-            say(f"{name} at {dtype}: starting …")
-            engine = _start(name, model_dir, logs, dtype, kv_tokens)
-            try:
-                res.details.setdefault("settings", {})[f"{name}_{dtype}"] = engine.settings
+        # Both engines up at once (an idle one costs nothing), their rounds interleaved, the
+        # first engine alternating: a machine that drifts during the run weighs on both alike.
+        started: dict[str, Engine] = {}
+        try:
+            for name in engines:
+                say(f"{name} at {dtype}: starting …")
+                started[name] = _start(name, model_dir, logs, dtype, kv_tokens)
+                res.details.setdefault("settings", {})[f"{name}_{dtype}"] = started[name].settings
                 rounds_of[(name, dtype)], pressure_of[(name, dtype)] = [], []
-                for r in range(rounds):
+            for r in range(rounds):
+                for name in engines[r % len(engines):] + engines[:r % len(engines)]:
+                    engine = started[name]
                     rounds_of[(name, dtype)].append(_scenarios(engine, w, concurrencies, max_tokens, say))
                     say(f"  {name} {dtype}: under KV pressure, round {r + 1} …")
                     pressure_of[(name, dtype)].append(
                         _pressure(engine, w, retention if name == "kvflow" else None))
-            finally:
+        finally:
+            for engine in started.values():
                 engine.stop()
     _figures(res, rounds_of, pressure_of, dtypes, engines, concurrencies)
     if have_vllm:
@@ -162,7 +170,7 @@ def _start(name: str, model_dir: Path, logs: Path, dtype: str, kv_tokens: int) -
         return start_node(model_dir, logs, num_blocks=kv_tokens // BLOCK_SIZE, block_size=BLOCK_SIZE, dtype=dtype)
     return start_vllm(model_dir, logs, dtype=dtype, block_size=BLOCK_SIZE,
                       kv_bytes=kv_tokens * KV_ELEMENTS_PER_TOKEN * BYTES[dtype],
-                      extra_args=["--max-model-len", str(min(4096, kv_tokens))])
+                      extra_args=["--max-model-len", str(min(4096, kv_tokens - BLOCK_SIZE))])
 
 
 def _figures(res: BenchResult, rounds_of: dict[tuple[str, str], list[dict[str, Any]]],
