@@ -337,7 +337,6 @@ class Engine:
         for (run, _), row in zip(prefills, logits[len(batch):], strict=True):
             sampled = run.sampler.sample(row)
             run.last_token = sampled.token_id
-            self._running[run.req.request_id] = run
             self._emit(run, sampled)
         return True
 
@@ -366,7 +365,7 @@ class Engine:
         their new tokens fit the step's budget (the first one always does)."""
         admitted: list[tuple[_Running, SeqBatchItem]] = []
         budget = self.max_batch_tokens - decoding
-        while self._waiting and len(self._running) + len(admitted) < self.max_running:
+        while self._waiting and len(self._running) < self.max_running:
             with self._wake:
                 req, handle = self._waiting[0]
             try:
@@ -383,7 +382,7 @@ class Engine:
             try:
                 run, item = self._allocate(req, handle, *prepared)
             except OutOfBlocks:
-                if not self._running and not admitted:  # nothing will free blocks: it cannot fit now
+                if len(self._running) == len(admitted):  # nothing will free blocks: it cannot fit now
                     with self._wake:
                         self._waiting.popleft()
                     self.stats.rejected += 1
@@ -392,6 +391,8 @@ class Engine:
                 break  # wait for running requests to finish and free blocks
             with self._wake:
                 self._waiting.popleft()
+            # Running from now on: should the forward fail, the crash handler answers it too.
+            self._running[req.request_id] = run
             admitted.append((run, item))
             budget -= len(item.token_ids)
         return admitted

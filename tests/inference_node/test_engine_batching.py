@@ -81,3 +81,19 @@ def test_the_token_budget_spreads_prompts_over_steps_and_the_first_always_runs()
         assert len(generate(node, long, max_tokens=2, ignore_eos=True)[0]) == 2
     finally:
         node.close()
+
+
+def test_a_forward_that_fails_answers_the_prompts_it_had_admitted():
+    """The prompts of a failing step are no longer waiting and not yet answered: the crash
+    handler answers them with the error instead of leaving them to hang."""
+    node = make_node()
+    try:
+        def broken(*_a, **_k):
+            raise RuntimeError("boom: a device fault")
+
+        node.engine.model.forward = broken  # the next forward fails (a stand-in for a CUDA error)
+        got = _together(node, PROMPTS[:2], 4)
+        assert [out.finish_reason for _, out in got] == ["error", "error"]
+        assert all("boom" in (out.error or "") for _, out in got)
+    finally:
+        node.close()
