@@ -382,7 +382,7 @@ class Engine:
             try:
                 run, item = self._allocate(req, handle, *prepared)
             except OutOfBlocks:
-                if len(self._running) == len(admitted):  # nothing will free blocks: it cannot fit now
+                if not self._running:  # nothing running, nothing admitted: no block will free, it cannot fit now
                     with self._wake:
                         self._waiting.popleft()
                     self.stats.rejected += 1

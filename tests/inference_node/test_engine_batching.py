@@ -97,3 +97,26 @@ def test_a_forward_that_fails_answers_the_prompts_it_had_admitted():
         assert all("boom" in (out.error or "") for _, out in got)
     finally:
         node.close()
+
+
+def test_a_prompt_that_does_not_fit_beside_one_admitted_in_its_step_waits_for_it():
+    """4 blocks of 16: the first prompt (30 tokens) takes 2, the second (40 tokens) needs 3: it is
+    not refused, it waits until the first is done, then runs."""
+    node = make_node(num_blocks=4)
+    try:
+        first, second = PROMPTS[0], [(11 * j) % 200 + 1 for j in range(40)]
+        got = _together(node, [first, second], 2)
+        assert [out.finish_reason for _, out in got] == ["length", "length"]
+        assert node.engine.stats.rejected == 0
+    finally:
+        node.close()
+
+
+def test_a_prompt_larger_than_the_cache_with_nothing_running_is_refused_at_once():
+    node = make_node(num_blocks=2)  # 32 tokens of KV; the prompt needs 3 blocks
+    try:
+        tokens, out = generate(node, [(11 * j) % 200 + 1 for j in range(40)], max_tokens=2)
+        assert tokens == [] and out.finish_reason == "error" and "cannot hold this prompt" in (out.error or "")
+        assert node.engine.stats.rejected == 1
+    finally:
+        node.close()
