@@ -235,8 +235,13 @@ class Answer:
             raise
         choices = [self.shape.whole(c, self.plan, self.shape.prefix(self.plan, c.index)) for c in self.choices]
         kvflow = {"node_id": node.settings.node_id, "instance_id": node.instance_id,
-                  "cached_tokens": [c.done.cached_tokens if c.done else 0 for c in self.choices]}
+                  "cached_tokens": [c.done.cached_tokens if c.done else 0 for c in self.choices], **self._marks()}
         return JSONResponse(self._envelope(choices, False, usage=self.usage(), kvflow=kvflow), headers=self.headers)
+
+    def _marks(self) -> dict[str, Any]:
+        """``prompt_cache``: what the body's prompt-caching marks retain, when it has marks."""
+        marks = self.plan.prompt_cache
+        return {} if marks is None else {"prompt_cache": marks.to_json()}
 
     async def stream(self) -> AsyncIterator[bytes]:
         """Server-sent events (see the module docstring); a failure is a last ``error`` event."""
@@ -245,7 +250,8 @@ class Answer:
             for c in self.choices:
                 first = self.shape.first(c.index, self.shape.prefix(self.plan, c.index))
                 if first is not None:
-                    yield _sse(self._envelope([first], True, **usage_null))
+                    extra = {"kvflow": self._marks()} if c.index == 0 and self.plan.prompt_cache else {}
+                    yield _sse(self._envelope([first], True, **usage_null, **extra))
             async for index, out in self._outputs():
                 part = self.shape.last(index, out) if out.finished else self.shape.delta(index, out, self.plan)
                 yield _sse(self._envelope([part], True, **usage_null))

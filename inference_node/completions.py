@@ -7,6 +7,10 @@ serves it, with its version, to the router, which routes chats by the same rende
 tokenized without special tokens (the template writes them), so a conversation's next turn starts
 with the tokens of the previous one and reuses its cached blocks.
 
+A chat's prompt-caching marks (OpenAI's ``prompt_cache_breakpoint`` / ``prompt_cache_options``,
+Anthropic's ``cache_control``) become retention (``openai_api.prompt_cache``); the answer's
+``kvflow.prompt_cache`` says where each breakpoint fell and what is retained.
+
 The usage says how many prompt tokens came from the cache
 (``usage.prompt_tokens_details.cached_tokens``); the answer names the node (``x-kvflow-node``).
 """
@@ -23,6 +27,7 @@ from inference_node.deps import authorized, error, metrics_of, node_of
 from inference_node.generation import Plan, check_model, plan, refused
 from inference_node.node import Node
 from openai_api.chat import ChatTemplateError, normalize_messages
+from openai_api.prompt_cache import PromptCacheError, plan_chat
 from openai_api.schemas import ChatCompletionRequest, CompletionRequest, GenerationBody
 
 router = APIRouter()
@@ -60,8 +65,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     except ChatTemplateError as exc:
         return error(400, f"messages: {exc}", param="messages")
     ids = node.tokenizer.encode(text, add_special_tokens=False)
+    try:
+        marks = plan_chat(body, node.chat_template, lambda t: node.tokenizer.encode(t, add_special_tokens=False), ids,
+                          node.settings.block_size)
+    except PromptCacheError as exc:
+        return error(400, str(exc), param=exc.param)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    planned = plan(node, body, [ids], body.token_limit(), logprobs, "chatcmpl")
+    planned = plan(node, body, [ids], body.token_limit(), logprobs, "chatcmpl", marks)
     if isinstance(planned, JSONResponse):
         return planned
     return await _answer(request, body, planned, ChatShape(node.tokenizer))

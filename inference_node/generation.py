@@ -26,6 +26,7 @@ from inference_node.engine import GenerationRequest
 from inference_node.kv.retention import KvCacheRetentionConfig, RetentionConfigError, TokenRange
 from inference_node.node import Node
 from inference_node.sampling import SamplingParams
+from openai_api.prompt_cache import CachePlan
 from openai_api.schemas import GenerationBody, Refusal
 
 
@@ -42,6 +43,8 @@ class Plan:
     requests: list[GenerationRequest]
     #: the logprobs asked for: None, or the alternatives per token
     logprobs: int | None
+    #: what the body's prompt-caching marks retain (``openai_api.prompt_cache``); None: no marks
+    prompt_cache: CachePlan | None = None
 
 
 def refused(refusals: list[Refusal]) -> JSONResponse:
@@ -59,10 +62,14 @@ def check_model(node: Node, model: str | None) -> JSONResponse | None:
     return None
 
 
-def _retention(body: GenerationBody) -> KvCacheRetentionConfig | None:
+def _retention(body: GenerationBody, marks: CachePlan | None) -> KvCacheRetentionConfig | None:
+    """The body's ``kv_retention``; else what its prompt-caching marks retain; else None."""
     r = body.kv_retention
     if r is None:
-        return None
+        if marks is None or not marks.segments:
+            return None
+        return KvCacheRetentionConfig(
+            token_ranges=tuple(TokenRange(s.start, s.end, s.priority, s.duration_s) for s in marks.segments))
     return KvCacheRetentionConfig(
         token_ranges=tuple(TokenRange(t.start, t.end, t.priority, t.duration_s) for t in r.token_ranges),
         decode_priority=r.decode_priority, decode_duration_s=r.decode_duration_s)
@@ -93,7 +100,7 @@ def sampling_params(body: GenerationBody, logprobs: int | None, vocab: int) -> S
 
 
 def plan(node: Node, body: GenerationBody, prompts: list[list[int]], max_tokens: int | None,
-         logprobs: int | None, prefix: str) -> Plan | JSONResponse:
+         logprobs: int | None, prefix: str, marks: CachePlan | None = None) -> Plan | JSONResponse:
     """The engine's requests for ``body`` (its prompts already tokenized), or the 4xx that says
     what is wrong with it (see the module docstring for the order of the checks).
 
@@ -104,11 +111,12 @@ def plan(node: Node, body: GenerationBody, prompts: list[list[int]], max_tokens:
         max_tokens: the most tokens per sequence; None: up to the context and the node's KV.
         logprobs: the alternatives per token to return (None: no logprobs).
         prefix: the request id's prefix (``cmpl``, ``chatcmpl``).
+        marks: what a chat's prompt-caching marks retain (used when the body has no ``kv_retention``).
     """
     s, cfg = node.settings, node.model.cfg
     vocab = cfg.vocab_size
     try:
-        retention = _retention(body)
+        retention = _retention(body, marks)
     except RetentionConfigError as exc:
         return error(400, f"kv_retention: {exc}", param="kv_retention")
     try:  # every parameter the engine would refuse, refused here with a 400 that names it
@@ -143,4 +151,4 @@ def plan(node: Node, body: GenerationBody, prompts: list[list[int]], max_tokens:
                           params.seed, retention, body.lora_id, body.cache_salt, body.ignore_eos, sampling=params,
                           stop=body.stop_strings(), stop_token_ids=stop_ids, seed_offset=j)
         for i, (p, limit) in enumerate(zip(prompts, limits, strict=True)) for j in range(n)]
-    return Plan(rid, prompts, n, requests, logprobs)
+    return Plan(rid, prompts, n, requests, logprobs, marks if marks is not None and marks.source != "none" else None)

@@ -31,7 +31,8 @@ becomes ``""`` except for an assistant message with tool calls; role ``developer
 ``system``; a tool call's ``function.arguments`` JSON string becomes the object it encodes
 (templates write it with ``| tojson``), ``{}`` when it is empty, not valid JSON or not an object;
 an empty ``tool_calls`` list and keys whose value is ``None`` are dropped (templates test
-``'tool_calls' in message`` or ``message.name is defined``). :meth:`ChatTemplate.render` renders
+``'tool_calls' in message`` or ``message.name is defined``), and so is a message's ``cache_control``
+(a prompt-caching mark, ``openai_api.prompt_cache``, not part of the prompt). :meth:`ChatTemplate.render` renders
 the messages it is given as they are: pass it :func:`normalize_messages`' result.
 
 **The default template** (:data:`DEFAULT_CHAT_TEMPLATE`, kvflow's built-in byte-token model, which
@@ -269,7 +270,7 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _normalize_message(i: int, message: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise ChatTemplateError(f"messages[{i}] must be an object with a string 'role'")
-    out = {k: v for k, v in message.items() if v is not None}
+    out = {k: v for k, v in message.items() if v is not None and k != "cache_control"}  # kvflow's, not the template's
     if out["role"] == "developer":
         out["role"] = "system"
     calls = out.pop("tool_calls", None)

@@ -16,7 +16,7 @@ NOTE: a node's defaults differ from OpenAI's in one place: ``temperature`` defau
 
 from __future__ import annotations
 
-from typing import Annotated, Any, NamedTuple, cast
+from typing import Annotated, Any, Literal, NamedTuple, cast
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
@@ -98,6 +98,40 @@ CANNOT: dict[str, tuple[tuple[Any, ...], str]] = {
 }
 
 
+class PromptCacheBreakpoint(BaseModel):
+    """OpenAI's ``prompt_cache_breakpoint`` on a content part: the exact end of a reusable prefix."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["explicit"] = Field(description="Always 'explicit'.")
+    ttl: Literal["30m", "12h"] | None = Field(default=None, description="Its lifetime; default: the request's.")
+
+
+class CacheControl(BaseModel):
+    """Anthropic's ``cache_control`` on a content part or a message (as gateways forward it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["ephemeral"] = Field(description="Always 'ephemeral'.")
+    ttl: Literal["5m", "1h"] | None = Field(default=None, description="Its lifetime; default 5m.")
+
+
+class PromptCacheOptions(BaseModel):
+    """OpenAI's ``prompt_cache_options``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["implicit", "explicit"] = Field(
+        default="implicit", description="implicit: one breakpoint kvflow places (the end of the system part) and "
+                                        "the latest 3 explicit ones; explicit: the latest 4 explicit ones only.")
+    ttl: Literal["30m", "12h"] | None = Field(default=None, description="Every breakpoint's lifetime unless its "
+                                                                        "own says otherwise (default 30m).")
+
+
+#: The longest ``prompt_cache_key`` accepted (characters).
+PROMPT_CACHE_KEY_MAX = 256
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -140,6 +174,12 @@ class GenerationBody(BaseModel):
     lora_id: StrictInt | None = Field(default=None, ge=0, le=(1 << 63) - 1)
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256, description=SALT)
     ignore_eos: StrictBool = False
+    prompt_cache_key: str | None = Field(
+        default=None, min_length=1, max_length=PROMPT_CACHE_KEY_MAX,
+        description="Requests with the same key (within a tenant) go to the same node while load allows.")
+    prompt_cache_options: PromptCacheOptions | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = Field(
+        default=None, description="Deprecated by OpenAI: the breakpoints' lifetime when no ttl says (5m / 24h).")
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -206,6 +246,9 @@ class ContentPart(BaseModel):
     type: str
     text: str | None = None
     refusal: str | None = None
+    prompt_cache_breakpoint: PromptCacheBreakpoint | None = Field(
+        default=None, description="Retain the prompt up to the end of this part (docs/prompt-caching.md).")
+    cache_control: CacheControl | None = Field(default=None, description="The same, in Anthropic's words.")
 
 
 class FunctionCall(BaseModel):
@@ -231,6 +274,7 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    cache_control: CacheControl | None = Field(default=None, description="A breakpoint at the end of the message.")
 
 
 class ToolFunction(BaseModel):
@@ -299,6 +343,10 @@ class ChatCompletionRequest(GenerationBody, _Conversation):
             if m.role not in ROLES:
                 out.append(Refusal(f"messages[{i}].role", f"role {m.role!r} is not one of {', '.join(ROLES)}"))
             for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+                marks = [k for k in ("prompt_cache_breakpoint", "cache_control") if getattr(part, k) is not None]
+                if marks and part.type not in ("text", "refusal"):
+                    out.append(Refusal(f"messages[{i}].content[{j}].{marks[0]}",
+                                       f"a breakpoint must mark a text part, not a {part.type!r} part"))
                 if part.type not in ("text", "refusal"):
                     out.append(Refusal(f"messages[{i}].content[{j}].type",
                                        f"content parts of type {part.type!r} are not supported (text only)"))
