@@ -111,6 +111,27 @@ def bench_node_cmd(json_path: JsonOpt = None, quick: QuickOpt = False,
     _run_bench("node", json_path, lambda say: bench_engines(model, pathlib.Path(out), say=say, **kw))
 
 
+@bench_app.command("prompt-cache")
+@needs_extra("bench", "bench prompt-cache", probe=BENCH_PROBE)
+def bench_prompt_cache_cmd(json_path: JsonOpt = None, quick: QuickOpt = False,
+                           rounds: Annotated[int, typer.Option(min=1, help="Rounds of every variant, each on a "
+                                                               "fresh node.")] = 2,
+                           out: Annotated[str, typer.Option(help="Folder for the nodes' logs.")]
+                           = "artifacts/bench-prompt-cache",
+                           ) -> None:
+    """Clients' prompt-caching marks (OpenAI's breakpoint, implicit mode, Anthropic's cache_control) on
+    their system prompts under a flood of one-off chats, on SmolLM2 (pulled once), against no marks:
+    the share of prompt tokens served from cache and the marked requests' TTFT."""
+    from kvflow.bench.prompt_cache import Workload, bench_prompt_cache
+    from kvflow.cli_model import pull_model
+
+    model = pull_model("smollm2-135m", quiet=True)
+    kw: dict[str, Any] = {"rounds": rounds}
+    if quick:  # one round, small prompts and cache: a smoke test of the whole path
+        kw.update(rounds=1, kv_tokens=320, max_tokens=1, workload=Workload(system_requests=3, rules=4, bursts=(2,)))
+    _run_bench("prompt-cache", json_path, lambda say: bench_prompt_cache(model, pathlib.Path(out), say=say, **kw))
+
+
 @bench_app.command("model")
 @needs_extra("bench", "bench model", probe=BENCH_PROBE)
 def bench_model_cmd(json_path: JsonOpt = None, quick: QuickOpt = False,

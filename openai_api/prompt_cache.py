@@ -44,10 +44,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, cast
 
 from openai_api.chat import ChatTemplate, ChatTemplateError, normalize_messages
-from openai_api.schemas import ChatCompletionRequest, ChatMessage, ContentPart, GenerationBody
+from openai_api.schemas import (
+    ChatMessage,
+    ContentPart,
+    PromptCacheOptions,
+    RetentionIn,
+)
 
 #: The priority of a prefix a breakpoint retains (the seed's system prompts are at 100, set by an
 #: operator's rule; a client's own mark sits just below, above every default).
@@ -67,6 +72,26 @@ class PromptCacheError(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(f"{param}: {message}")
         self.param = param
+
+
+class Marked(Protocol):
+    """What carries the controls: a node's body, or the router's reading of one."""
+
+    @property
+    def kv_retention(self) -> RetentionIn | None: ...
+    @property
+    def prompt_cache_options(self) -> PromptCacheOptions | None: ...
+    @property
+    def prompt_cache_retention(self) -> str | None: ...
+
+
+class MarkedChat(Marked, Protocol):
+    """A chat that carries them (``ChatCompletionRequest``, the router's ``ProxiedChat``)."""
+
+    @property
+    def messages(self) -> list[ChatMessage]: ...
+    def chat_messages(self) -> list[dict[str, Any]]: ...
+    def chat_tools(self) -> list[dict[str, Any]] | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,14 +136,14 @@ class CachePlan:
                              for s in self.segments]}
 
 
-def uses_marks(body: GenerationBody) -> bool:
+def uses_marks(body: Marked) -> bool:
     """Whether the body uses any prompt-caching control that retains (not ``prompt_cache_key``)."""
     if body.prompt_cache_options is not None or body.prompt_cache_retention is not None:
         return True
-    return isinstance(body, ChatCompletionRequest) and bool(explicit_marks(body, 0.0))
+    return hasattr(body, "messages") and bool(explicit_marks(cast("MarkedChat", body), 0.0))
 
 
-def _request_ttl(body: GenerationBody) -> float:
+def _request_ttl(body: Marked) -> float:
     opts = body.prompt_cache_options
     if opts is not None and opts.ttl is not None:
         return TTL_S[opts.ttl]
@@ -142,7 +167,7 @@ def _part_mark(where: str, i: int, j: int | None, part: ContentPart | ChatMessag
     return Breakpoint(f"{where}.{kind}", kind, i, j, max(ttls))
 
 
-def explicit_marks(body: ChatCompletionRequest, default_s: float) -> list[Breakpoint]:
+def explicit_marks(body: MarkedChat, default_s: float) -> list[Breakpoint]:
     """Every explicit mark of the chat, in message order (a part's, then its message's).
 
     Raises:
@@ -165,7 +190,7 @@ def explicit_marks(body: ChatCompletionRequest, default_s: float) -> list[Breakp
     return out
 
 
-def system_end(body: ChatCompletionRequest) -> int:
+def system_end(body: MarkedChat) -> int:
     """How many leading messages are system/developer ones (where the implicit breakpoint goes)."""
     n = 0
     while n < len(body.messages) and body.messages[n].role in ("system", "developer"):
@@ -173,7 +198,7 @@ def system_end(body: ChatCompletionRequest) -> int:
     return n
 
 
-def prefix_tokens(template: ChatTemplate, encode: Callable[[str], Sequence[int]], body: ChatCompletionRequest,
+def prefix_tokens(template: ChatTemplate, encode: Callable[[str], Sequence[int]], body: MarkedChat,
                   message: int, part: int | None, prompt: Sequence[int]) -> int:
     """The prompt's tokens up to the end of ``messages[message]`` (cut after ``part`` when given):
     the longest token prefix shared by ``prompt`` and the chat rendered up to there.
@@ -212,7 +237,7 @@ def segments_of(written: Sequence[Breakpoint], block_size: int, priority: int = 
     return tuple(out)
 
 
-def plan_chat(body: ChatCompletionRequest, template: ChatTemplate, encode: Callable[[str], Sequence[int]],
+def plan_chat(body: MarkedChat, template: ChatTemplate, encode: Callable[[str], Sequence[int]],
               prompt: Sequence[int], block_size: int) -> CachePlan:
     """What the chat's marks retain of ``prompt`` (its rendered, tokenized prompt); see the module
     docstring for the rules.
@@ -242,4 +267,10 @@ def plan_chat(body: ChatCompletionRequest, template: ChatTemplate, encode: Calla
     written.sort(key=lambda b: b.position)
     return CachePlan("prompt_cache", tuple(written), tuple(b.field for b in ignored),
                      segments_of(written, block_size))
+
+
+def retention_body(segments: Sequence[Segment]) -> dict[str, Any]:
+    """The ``kv_retention`` object (``RetentionIn``'s shape) that retains ``segments``."""
+    return {"token_ranges": [{"start": s.start, "end": s.end, "priority": s.priority, "duration_s": s.duration_s}
+                             for s in segments]}
 

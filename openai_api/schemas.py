@@ -383,6 +383,8 @@ class RouteRequest(BaseModel):
     lora_id: StrictInt | None = Field(default=None, ge=0, le=(1 << 63) - 1)
     model: str | None = Field(default=None, max_length=256, description="Only nodes serving this model.")
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256, description=SALT)
+    prompt_cache_key: str | None = Field(default=None, min_length=1, max_length=PROMPT_CACHE_KEY_MAX,
+                                         description="Credit the node of this key's requests (within the tenant).")
 
     def chat_messages(self) -> list[dict[str, Any]]:
         return [m.model_dump(exclude_unset=True) for m in self.messages or ()]
@@ -402,6 +404,9 @@ class _Proxied(BaseModel):
     kv_retention: RetentionIn | None = None
     lora_id: StrictInt | None = Field(default=None, ge=0, le=(1 << 63) - 1)
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256, description=SALT)
+    prompt_cache_key: str | None = Field(default=None, min_length=1, max_length=PROMPT_CACHE_KEY_MAX)
+    prompt_cache_options: PromptCacheOptions | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
 
 
 class ProxiedCompletion(_Proxied):

@@ -63,6 +63,9 @@ class RouterSettings(BaseSettings):
     prefill_tokens_per_s: float = Field(default=10000.0, gt=0, description=(
         "A node's prefill rate before the router has measured it (from the first tokens it proxies): "
         "the tail guard's predicted waits."))
+    retention_rules: str | None = Field(default=None, description=(
+        "Fleet retention rules and tenant limits (docs/prompt-caching.md): 'seed' (the seed's table for "
+        "requests that carry no retention) or a JSON file; unset: none (requests keep what they carry)."))
     nodes_cache_s: float = Field(default=0.5, ge=0, description="How long the nodes table is cached.")
     suspect_s: float = Field(default=10.0, ge=0, description="How long a node that failed a request is avoided.")
     account_finished: bool = Field(default=True, description=(

@@ -20,12 +20,13 @@ from fastapi import HTTPException
 
 from eventbus.hashing import prompt_hash_heads
 from eventbus.protocol import NodeId
+from routing_api.cache_keys import KeyRow
 from routing_api.errors import Unavailable
 from routing_api.fleet import FleetView
 from routing_api.prefill import guard
 from routing_api.queries import DatabaseUnavailable
 from routing_api.schemas import decision_body
-from routing_api.scoring import Decision, PrefixMatch, decide, overlay
+from routing_api.scoring import NO_MATCH, Decision, PrefixMatch, decide, overlay
 from routing_api.state import RouterState
 
 #: The reason of a degraded decision starts with this.
@@ -67,6 +68,7 @@ class Routed:
     decision: Decision
     body: dict[str, Any]
     prompt_blocks: int
+    prompt: Prompt | None = None
 
     @property
     def matched_tokens(self) -> int:
@@ -125,8 +127,12 @@ async def prepare(state: RouterState, token_ids: Sequence[int] | None, text: str
 
 
 async def route(state: RouterState, token_ids: Sequence[int] | None, text: str | None, lora_id: int | None,
-                salt: str | None, model: str | None, *, special_tokens: bool = True) -> Routed:
+                salt: str | None, model: str | None, *, special_tokens: bool = True,
+                key: KeyRow | None = None) -> Routed:
     """Decide where a prompt goes (arguments as :func:`prepare`), count it and format the answer.
+
+    ``key``: the request's ``prompt_cache_key`` row (``routing_api.cache_keys``): its node is
+    credited with the prefix the key's requests found there.
 
     ``decision_ms`` covers it all: the nodes' read, tokenizing, hashing, the query, scoring.
 
@@ -143,6 +149,13 @@ async def route(state: RouterState, token_ids: Sequence[int] | None, text: str |
             matches = fleet.own_size_matches(await state.reader.prefix_matches_by_size(prompt.hashed))
         except DatabaseUnavailable:
             prompt.degraded = True  # the query failed: degraded as well
+    credit = 0
+    keyed = next((v.node_id for v in fleet.views if key is not None and v.node_id == key.node_id), None)
+    if key is not None and keyed is not None:
+        seen = matches.get(keyed, NO_MATCH)
+        credit = key.credit_blocks(prompt.blocks)
+        if credit > seen.gpu + seen.host:
+            matches = {**matches, keyed: PrefixMatch(gpu=credit - seen.host, host=seen.host)}
     views = overlay(fleet.views, state.suspect_until, state.inflight, time.monotonic(), state.finished,
                     state.work, state.weights.work_tau_s)
     decision = decide(prompt.blocks, views, matches, state.weights, state.rng, block_size=fleet.block_size,
@@ -155,8 +168,10 @@ async def route(state: RouterState, token_ids: Sequence[int] | None, text: str |
     elapsed = time.perf_counter() - t0
     body = decision_body(decision, len(prompt.tokens), prompt.blocks, fleet.block_size, elapsed,
                          degraded=prompt.degraded, gone_nodes=fleet.gone)
+    if key is not None:
+        body["prompt_cache_key"] = {"node_id": key.node_id, "credit_blocks": credit}
     state.record_decision(decision, body["prompt_blocks"], len(prompt.tokens), body["matched_tokens"], elapsed)
-    return Routed(decision, body, body["prompt_blocks"])
+    return Routed(decision, body, body["prompt_blocks"], prompt)
 
 
 def _degrade(state: RouterState, decision: Decision) -> None:

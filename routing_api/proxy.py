@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -28,8 +29,36 @@ log = logging.getLogger("kvflow.router")
 #: Failures before anything was sent: the next candidate may take the request.
 NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
 
+#: ``forward``'s hook on a 200: the node that answered and the answer's usage (None: it had none).
+Observe = Callable[[str, "dict[str, Any] | None"], None]
+#: ``forward``'s hook on a whole 200 JSON answer: it may add to the body before it is sent back.
+Amend = Callable[["dict[str, Any]"], None]
+#: How much of a stream's end is kept to find its usage chunk.
+TAIL_BYTES = 8192
 
-async def forward(state: RouterState, routed: Routed, path: str, content: bytes, stream: bool) -> Response:
+
+def usage_of(text: bytes) -> dict[str, Any] | None:
+    """The usage of an answer: a JSON body's, or a stream's last chunk with a non-null usage."""
+    if text.lstrip().startswith(b"{"):
+        try:
+            usage = json.loads(text).get("usage")
+        except ValueError:
+            return None
+        return usage if isinstance(usage, dict) else None
+    for line in reversed(text.split(b"\n")):
+        if line.startswith(b"data: {") and b'"usage"' in line:
+            try:
+                usage = json.loads(line[6:]).get("usage")
+            except ValueError:
+                continue
+            if isinstance(usage, dict):
+                return usage
+    return None
+
+
+async def forward(state: RouterState, routed: Routed, path: str, content: bytes, stream: bool, *,
+                  observe: Observe | None = None, amend: Amend | None = None,
+                  headers: dict[str, str] | None = None) -> Response:
     """Send ``content`` to ``path`` on the routed node and answer with the node's response.
 
     The response names the node that answered (``x-kvflow-node``) and its cached prompt tokens
@@ -42,6 +71,9 @@ async def forward(state: RouterState, routed: Routed, path: str, content: bytes,
         path: the node's endpoint, e.g. ``/v1/completions``.
         content: the JSON body to send.
         stream: whether the client asked for server-sent events.
+        observe: called once a 200 has been sent back whole or streamed, with the node and the usage.
+        amend: called with a whole 200 JSON answer's body, which it may add to (e.g. ``kvflow``).
+        headers: more headers for the answer.
 
     Returns:
         The node's answer; 503 when no node was chosen; 502 (``upstream_error``) when the node
@@ -71,7 +103,7 @@ async def forward(state: RouterState, routed: Routed, path: str, content: bytes,
             return _failed(cand.node_id, exc)
         if refused:
             log.warning("answered by %s after %d refused connection(s)", cand.node_id, len(refused))
-        return await _answer(upstream, cand, routed, done, stream)
+        return await _answer(upstream, cand, routed, done, stream, observe, amend, headers or {})
     first, error = refused[0]
     others = "; ".join(f"{n}: {type(e).__name__}" for n, e in refused[1:])
     message = f"upstream node {first} failed: {type(error).__name__}: {error}"
@@ -80,13 +112,14 @@ async def forward(state: RouterState, routed: Routed, path: str, content: bytes,
     return error_response(502, message[:2000], "upstream_error", node_id=first)
 
 
-async def _answer(upstream: httpx.Response, cand: Candidate, routed: Routed, done: Proxied,
-                  stream: bool) -> Response:
+async def _answer(upstream: httpx.Response, cand: Candidate, routed: Routed, done: Proxied, stream: bool,
+                  observe: Observe | None, amend: Amend | None, extra: dict[str, str]) -> Response:
     """The node's response to the client: streamed (a 200 with ``stream``), else read whole."""
     node = cand.node_id
-    headers = {"x-kvflow-node": node, "x-kvflow-matched-tokens": str(cand.matched_tokens)}
+    headers = {"x-kvflow-node": node, "x-kvflow-matched-tokens": str(cand.matched_tokens), **extra}
     if stream and upstream.status_code == 200:
-        return StreamingResponse(_relay(upstream, node, done), media_type="text/event-stream", headers=headers)
+        return StreamingResponse(_relay(upstream, node, done, observe), media_type="text/event-stream",
+                                 headers=headers)
     try:
         content = await upstream.aread()
     except httpx.HTTPError as exc:
@@ -99,8 +132,27 @@ async def _answer(upstream: httpx.Response, cand: Candidate, routed: Routed, don
         return error_response(502, f"upstream node {node} answered {upstream.status_code}: {content[:300]!r}",
                               "upstream_error", node_id=node)
     done("ok" if upstream.status_code < 400 else "client_error")
+    if upstream.status_code == 200 and (observe or amend):
+        content = _whole(content, node, observe, amend)
     return Response(content=content, status_code=upstream.status_code,
                     media_type=upstream.headers.get("content-type", "application/json"), headers=headers)
+
+
+def _whole(content: bytes, node: str, observe: Observe | None, amend: Amend | None) -> bytes:
+    """A whole 200 answer seen by ``observe`` and amended by ``amend`` (unchanged if not JSON)."""
+    try:
+        body = json.loads(content)
+    except ValueError:
+        return content
+    if not isinstance(body, dict):
+        return content
+    if observe is not None:
+        usage = body.get("usage")
+        observe(node, usage if isinstance(usage, dict) else None)
+    if amend is None:
+        return content
+    amend(body)
+    return json.dumps(body).encode()
 
 
 def _failed(node: str, exc: BaseException) -> JSONResponse:
@@ -108,13 +160,18 @@ def _failed(node: str, exc: BaseException) -> JSONResponse:
                           node_id=node)
 
 
-async def _relay(upstream: httpx.Response, node: str, done: Proxied) -> AsyncIterator[bytes]:
+async def _relay(upstream: httpx.Response, node: str, done: Proxied,
+                 observe: Observe | None = None) -> AsyncIterator[bytes]:
     """The node's stream, byte for byte (its first chunk is the request's first token, for the
-    tail guard's queues); if it breaks, one last ``data:`` event with the error."""
+    tail guard's queues); if it breaks, one last ``data:`` event with the error. ``observe``
+    gets the usage of its last chunk that has one (kept from its last ``TAIL_BYTES``)."""
     outcome = "ok"
+    tail = b""
     try:
         async for chunk in upstream.aiter_raw():
             done.first_token()
+            if observe is not None:
+                tail = (tail + chunk)[-TAIL_BYTES:]
             yield chunk
     except httpx.HTTPError as exc:
         outcome = "upstream_error"
@@ -124,3 +181,5 @@ async def _relay(upstream: httpx.Response, node: str, done: Proxied) -> AsyncIte
     finally:
         await upstream.aclose()
         done(outcome)
+        if observe is not None and outcome == "ok":
+            observe(node, usage_of(tail))

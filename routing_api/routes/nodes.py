@@ -1,5 +1,6 @@
 """The fleet as the router sees it: ``/v1/nodes``, ``/v1/nodes/{node_id}``, ``/v1/stats``, and
-``/v1/dashboard/data`` (what the dashboard draws, live nodes first).
+``/v1/prompt_cache_keys`` (each key's node and hit rate), and ``/v1/dashboard/data`` (what the
+dashboard draws, live nodes first).
 
 Those that read PostgreSQL answer 503 (``unavailable``) while it cannot be read
 (``routing_api.queries.DatabaseUnavailable``, answered by ``routing_api.errors.on_unavailable``);
@@ -70,11 +71,18 @@ async def stats(state: State, _: ApiKey | None = scope("read")) -> dict[str, Any
             "recent_decisions": list(state.recent)[:20]}
 
 
+@router.get("/v1/prompt_cache_keys")
+async def prompt_cache_keys(state: State, key: ApiKey | None = scope("read")) -> dict[str, Any]:
+    """The most recently used ``prompt_cache_key``s, their node and hit rate (a tenant's key: its own)."""
+    return {"keys": await state.cache_keys.stats(key.tenant if key is not None else None)}
+
+
 @router.get("/v1/dashboard/data")
-async def dashboard_data(state: State, _: ApiKey | None = scope("read")) -> dict[str, Any]:
+async def dashboard_data(state: State, key: ApiKey | None = scope("read")) -> dict[str, Any]:
     reader = state.reader
-    rows, composition, hit_rates = await asyncio.gather(reader.nodes(fresh=True), reader.composition(),
-                                                        reader.hit_rates())
+    rows, composition, hit_rates, keys = await asyncio.gather(
+        reader.nodes(fresh=True), reader.composition(), reader.hit_rates(),
+        state.cache_keys.stats(key.tenant if key is not None else None, 20))
     shown = sorted((_node(state, r) for r in rows), key=dashboard_order)
-    return {"now": time.time(), "nodes": shown, "composition": composition,
-            "hit_rates": hit_rates, "decisions": list(state.recent)[:50], "router": _counts(state)}
+    return {"now": time.time(), "nodes": shown, "composition": composition, "hit_rates": hit_rates,
+            "prompt_cache_keys": keys, "decisions": list(state.recent)[:50], "router": _counts(state)}

@@ -229,3 +229,21 @@ def test_the_answer_is_plain_json_the_sdk_parses(fresh):
                                                   "max_tokens": 1})
     assert r.status_code == 200
     json.dumps(r.json()["kvflow"]["prompt_cache"])
+
+
+def test_langchains_openai_chat_model_sends_cache_control_blocks_that_retain(fresh):
+    from langchain_core.messages import HumanMessage, SystemMessage
+    from langchain_openai import ChatOpenAI
+
+    client, _ = fresh
+    llm = ChatOpenAI(model=MODEL, base_url="http://testserver/v1", api_key="unused", http_client=client,
+                     max_tokens=2, max_retries=0)
+    system = SystemMessage(content=[{"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral",
+                                                                                       "ttl": "1h"}}])
+    first = llm.invoke([system, HumanMessage(content="Rule one?")])
+    end = len(f"<|system|>\n{SYSTEM}\n".encode()) // 16 * 16
+    assert priorities(client).count(BREAKPOINT_PRIORITY) == end // 16
+    again = llm.invoke([system, HumanMessage(content="Rule two?")])
+    assert first.usage_metadata["input_token_details"]["cache_read"] == 0
+    shared = len(f"<|system|>\n{SYSTEM}\n<|user|>\nRule ".encode())  # both prompts' common prefix
+    assert again.usage_metadata["input_token_details"]["cache_read"] == shared // 16 * 16

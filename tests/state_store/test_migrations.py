@@ -14,9 +14,9 @@ from state_store.models import Base
 
 pytestmark = pytest.mark.integration
 
-TABLES = {"nodes", "node_blocks", "block_events", "node_stats_samples"}
+TABLES = {"nodes", "node_blocks", "block_events", "node_stats_samples", "prompt_cache_keys"}
 VIEWS = {"node_cache_summary", "node_cache_by_priority", "evictions_by_priority",
-         "block_residency", "node_hit_rates"}
+         "block_residency", "node_hit_rates", "prompt_cache_key_hit_rates"}
 
 
 async def _fetch(url: str, sql: str, *args):
@@ -38,7 +38,7 @@ def _objects(url: str) -> tuple[set[str], set[str]]:
 def test_upgrade_downgrade_upgrade(database_url):
     upgrade("head", url=database_url)
     assert _objects(database_url) == (TABLES, VIEWS)
-    assert asyncio.run(current(url=database_url)) == "0004"
+    assert asyncio.run(current(url=database_url)) == "0005"
 
     downgrade("base", url=database_url)
     assert _objects(database_url) == (set(), set())
