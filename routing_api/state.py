@@ -198,13 +198,15 @@ class RouterState:
             await self.reader.close()
 
     def record_decision(self, decision: Decision, prompt_blocks: int, prompt_tokens: int, matched_tokens: int,
-                        elapsed_s: float) -> None:
-        """Count a decision (here and in the metrics) and keep it among the recent ones."""
+                        elapsed_s: float) -> dict[str, Any]:
+        """Count a decision (here and in the metrics) and keep it among the recent ones (returned:
+        the proxy adds what it did to the request's retention)."""
         self.decisions += 1
         self.metrics.record_decision(decision, prompt_blocks, elapsed_s)
-        self.recent.appendleft({"ts": time.time(), "node_id": decision.chosen.node_id if decision.chosen else None,
-                                "prompt_tokens": prompt_tokens, "matched_tokens": matched_tokens,
-                                "reason": decision.reason})
+        entry = {"ts": time.time(), "node_id": decision.chosen.node_id if decision.chosen else None,
+                 "prompt_tokens": prompt_tokens, "matched_tokens": matched_tokens, "reason": decision.reason}
+        self.recent.appendleft(entry)
+        return entry
 
     def start_proxy(self, node: NodeId, blocks: int, work: int = 0, block_size: int = 0) -> Proxied:
         """Count a request proxied to ``node`` with ``blocks`` prompt blocks as in flight, and

@@ -3,8 +3,8 @@
 A chat workload on kvflow's node (SmolLM2-135M-Instruct, ``kvflow model pull smollm2-135m``; fp32,
 blocks of 32, a KV capacity that holds the two system prompts and a few chats but not a flood):
 requests under one of two system prompts ("desks" A and B, in turn), between each two a burst of
-one-off chats (their own system prompts, shared with nothing) of a seeded size (default 1, 1, 2 or 6
-requests, alike likely: the small bursts leave an unmarked system prompt in an LRU cache, the large
+one-off chats (their own system prompts, shared with nothing) of a seeded size (default 1, 1, 2 or 5
+requests, equally likely: the small bursts leave an unmarked system prompt in an LRU cache, the large
 ones evict everything unretained). Every request is a streamed chat, greedy, ``max_tokens`` tokens,
 one at a time.
 
@@ -104,7 +104,7 @@ class Workload:
     and B's system prompts in turn, between each two a burst of one-off chats of a size drawn from
     ``bursts``."""
 
-    def __init__(self, *, system_requests: int = 10, rules: int = 20, bursts: Sequence[int] = (1, 1, 2, 6),
+    def __init__(self, *, system_requests: int = 10, rules: int = 20, bursts: Sequence[int] = (1, 1, 2, 5),
                  seed: int = 11) -> None:
         rng = random.Random(seed)
         self.systems = [_system(rng, rules, f"Desk {d}. ") for d in ("A", "B")]

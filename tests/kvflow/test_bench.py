@@ -27,6 +27,12 @@ NAMED = {
     "node": ["figures.kvflow_float32_tokens_per_s_c1", "figures.kvflow_float32_tokens_per_s_c4",
              "figures.kvflow_float32_ttft_cached_p50_ms", "figures.kvflow_float32_ttft_cold_p50_ms",
              "figures.kvflow_float32_peak_rss_mb", "figures.kvflow_float32_pressure_cached_share"],
+    # --quick: every variant once, its own fresh node; the quick flood evicts every unmarked system
+    # prompt (no ratio of cached shares: against 0), the marked ones stay
+    "prompt-cache": [f"{section}.{v}_{figure}" for v in ("breakpoint", "implicit", "cache_control")
+                     for section, figure in (("figures", "cached_share"), ("figures", "system_cached_share"),
+                                             ("figures", "ttft_p99_ms"), ("ratios", "ttft_p99_vs_none"))]
+                    + ["baseline.none_ttft_p50_ms", "baseline.none_ttft_p99_ms"],
     "pipeline": ["figures.events_per_s", "baseline.raw_events_per_s", "ratios.vs_raw_ceiling",
                  "figures.freshness_p50_ms", "figures.freshness_p99_ms",
                  # --workers 2 (as the smoke test runs it): a group of two workers in the same run
@@ -78,6 +84,32 @@ def test_the_node_benchmark_serves_the_real_model(tmp_path, smollm2_dir):
     assert len(rounds["scenarios"]) == len(rounds["pressure"]) == result["details"]["rounds"] == 1
     # The quick workload's retained system prompts stay cached through their floods.
     assert result["figures"]["kvflow_float32_pressure_cached_share"] > 0.9
+
+
+@pytest.mark.integration
+def test_the_prompt_cache_benchmark_marks_system_prompts_on_the_real_model(tmp_path, smollm2_dir):
+    """``bench prompt-cache --quick``: each variant on a fresh node of SmolLM2 (pulled), the marks
+    applied where the system message ends."""
+    result = run_bench("prompt-cache", tmp_path)
+    details = result["details"]
+    assert details["model"] == "SmolLM2-135M-Instruct" and details["rounds"] == 1
+    assert details["orders"] == [["none", "breakpoint", "implicit", "cache_control"]]
+    assert {name: len(rounds) for name, rounds in details["per_round"].items()} == {
+        "none": 1, "breakpoint": 1, "implicit": 1, "cache_control": 1}
+    for desk, end in details["system_prompt_tokens"].items():
+        assert details["marks"]["none"][desk]["retained_tokens"] == [0]
+        for name in ("breakpoint", "implicit", "cache_control"):
+            marks = details["marks"][name]
+            # every breakpoint at the system message's end as the template renders it; whole blocks retained
+            assert marks["breakpoints_elsewhere"] == [] and marks[desk]["breakpoints"]
+            assert marks[desk]["retained_tokens"] == [end // 32 * 32], (name, desk, marks[desk])
+    kinds = {name: {k for desk in ("system-A", "system-B") for k, _ in details["marks"][name][desk]["breakpoints"]}
+             for name in ("breakpoint", "implicit", "cache_control")}
+    assert kinds == {"breakpoint": {"prompt_cache_breakpoint", "implicit"}, "implicit": {"implicit"},
+                     "cache_control": {"cache_control", "implicit"}}
+    # The flood evicts the unmarked system prompts and not the marked ones.
+    assert result["baseline"]["none_system_cached_share"] == 0
+    assert all(result["figures"][f"{name}_system_cached_share"] > 0.5 for name in kinds)
 
 
 @pytest.mark.integration
