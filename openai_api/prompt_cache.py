@@ -25,8 +25,9 @@ each for its lifetime. The rules:
 * **Which breakpoints.** OpenAI's "latest N" rule: in ``implicit`` mode (the default) the latest
   3 explicit breakpoints (in message order) and one implicit breakpoint kvflow places at the end
   of the leading system/developer messages (tools included where the template renders them
-  there); in ``explicit`` mode the latest 4 explicit ones and no implicit one (none given: nothing
-  retained). Earlier ones are not written; the answer names them (``ignored``).
+  there; not listed when an explicit breakpoint falls at the same token); in ``explicit`` mode
+  the latest 4 explicit ones and no implicit one (none given: nothing retained). Earlier ones are
+  not written; the answer names them (``ignored``).
 * **Lifetimes.** A breakpoint's own ``ttl`` (``30m`` 1,800 s, ``12h`` 43,200 s; cache_control
   ``5m`` 300 s, ``1h`` 3,600 s, default ``5m``), else ``prompt_cache_options.ttl``, else
   ``prompt_cache_retention`` (``in_memory`` 300 s, ``24h`` 86,400 s), else 30 minutes. The prompt
@@ -264,7 +265,9 @@ def plan_chat(body: MarkedChat, template: ChatTemplate, encode: Callable[[str], 
             raise PromptCacheError(b.field, f"the chat template cannot render the chat up to this breakpoint: "
                                             f"{exc}") from exc
         written.append(Breakpoint(b.field, b.kind, b.message, b.part, b.ttl_s, pos))
-    written.sort(key=lambda b: b.position)
+    explicit_at = {b.position for b in written if b.kind != "implicit"}
+    written = sorted((b for b in written if b.kind != "implicit" or b.position not in explicit_at),
+                     key=lambda b: b.position)  # an implicit breakpoint where an explicit one is: the same
     return CachePlan("prompt_cache", tuple(written), tuple(b.field for b in ignored),
                      segments_of(written, block_size))
 

@@ -35,8 +35,8 @@ percentiles over the pooled requests of all rounds; ``details.per_round`` holds 
 
 The run checks that the marks were applied: every marked request's answer must report (its first
 streamed chunk's ``kvflow.prompt_cache``) retained tokens, and no other answer may report any;
-the breakpoints' positions and the retained tokens are in ``details.marks``, beside where the
-system message ends as the chat template renders it.
+the breakpoints' positions, the retained tokens and their lifetimes are in ``details.marks``,
+beside where the system message ends as the chat template renders it (``system_prompt_tokens``).
 """
 
 from __future__ import annotations
@@ -165,7 +165,8 @@ def _check_marks(variant: Variant, kind: str, a: Answer) -> None:
 def _marks_of(a: Answer) -> dict[str, Any]:
     info = a.kvflow.get("prompt_cache") or {}
     return {"breakpoints": sorted({(b["kind"], b["position"]) for b in info.get("breakpoints") or []}),
-            "retained_tokens": _retained(a), "source": info.get("source")}
+            "retained_tokens": _retained(a), "source": info.get("source"),
+            "durations_s": sorted({float(r["duration_s"]) for r in info.get("retained") or []})}
 
 
 def bench_prompt_cache(model_dir: Path, logs: Path, *, variants: Sequence[Variant] = VARIANTS, rounds: int = 2,
@@ -255,14 +256,15 @@ def _ratio(a: float, b: float) -> float:
 
 
 def _marks_summary(rounds: list[dict[str, Any]], system_end: dict[str, int]) -> dict[str, Any]:
-    """Per system prompt: the breakpoints and retained tokens its answers reported (each distinct
-    value once), and any breakpoint that fell elsewhere than the system message's end."""
+    """Per system prompt: the breakpoints, retained tokens and their lifetimes its answers reported
+    (each distinct value once), and any breakpoint that fell elsewhere than the system message's end."""
     out: dict[str, Any] = {"breakpoints_elsewhere": []}
     for kind, end in system_end.items():
         seen = [m for r in rounds for k, m in r["marks"] if k == kind]
         points = sorted({tuple(p) for m in seen for p in m["breakpoints"]})
         out[kind] = {"breakpoints": [list(p) for p in points],
                      "retained_tokens": sorted({m["retained_tokens"] for m in seen}),
+                     "durations_s": sorted({d for m in seen for d in m["durations_s"]}),
                      "sources": sorted({str(m["source"]) for m in seen})}
         out["breakpoints_elsewhere"] += [[kind, k, pos, end] for k, pos in points if pos != end]
     return out

@@ -126,7 +126,7 @@ def test_cache_control_blocks_map_the_same_way_and_kv_retention_wins(fresh):
     system_end = len(f"<|system|>\n{SYSTEM}\n".encode())
     user_end = system_end + len(b"<|user|>\nHi\n")
     assert [(b["field"], b["position"], b["ttl_s"]) for b in info["breakpoints"]] == [
-        ("messages[0].content[0].cache_control", system_end, 3600.0), ("implicit", system_end, 1800.0),
+        ("messages[0].content[0].cache_control", system_end, 3600.0),  # the implicit one falls here too: one
         ("messages[1].cache_control", user_end, 300.0)]
     assert info["retained"][0] == {"start": 0, "end": system_end // 16 * 16, "priority": BREAKPOINT_PRIORITY,
                                    "duration_s": 3600.0}

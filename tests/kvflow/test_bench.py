@@ -107,6 +107,9 @@ def test_the_prompt_cache_benchmark_marks_system_prompts_on_the_real_model(tmp_p
              for name in ("breakpoint", "implicit", "cache_control")}
     assert kinds == {"breakpoint": {"prompt_cache_breakpoint", "implicit"}, "implicit": {"implicit"},
                      "cache_control": {"cache_control", "implicit"}}
+    # each for its lifetime: cache_control's 1h covers the implicit breakpoint's default 30 minutes
+    assert {name: details["marks"][name]["system-A"]["durations_s"] for name in kinds} == {
+        "breakpoint": [1800.0], "implicit": [1800.0], "cache_control": [3600.0]}
     # The flood evicts the unmarked system prompts and not the marked ones.
     assert result["baseline"]["none_system_cached_share"] == 0
     assert all(result["figures"][f"{name}_system_cached_share"] > 0.5 for name in kinds)
