@@ -10,7 +10,6 @@ lowered it: then it carries the result as ``kv_retention`` (which a node takes o
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from openai_api.chat import ChatTemplate
 from openai_api.prompt_cache import MarkedChat, plan_chat, retention_body, uses_marks
@@ -28,9 +27,10 @@ def routed_tokens(routed: Routed) -> Sequence[int]:
 
 
 def retain(state: RouterState, routed: Routed, req: _Proxied, chat: MarkedChat | None, template: ChatTemplate | None,
-           tokens: Sequence[int], tenant: str | None, model: str | None, payload: dict[str, Any]) -> Retention | None:
-    """The request's retention after the rules and its tenant's limits, set in ``payload`` when
-    it differs from what the node would make of the body; None when the router has nothing to say.
+           tokens: Sequence[int], tenant: str | None, model: str | None) -> Retention | None:
+    """The request's retention after the rules and its tenant's limits (``in_body``: to be sent as
+    the body's ``kv_retention``, for it differs from what the node would make of the body); None
+    when the router has nothing to say.
 
     Raises:
         PromptCacheError: marks that cannot be placed (the node would refuse them the same way).
@@ -63,9 +63,7 @@ def retain(state: RouterState, routed: Routed, req: _Proxied, chat: MarkedChat |
         capacity = next((v.capacity_gpu for v in routed.prompt.fleet.views if v.node_id == chosen.node_id), 0)
         state.ledger.admit(r, limit, tenant, chosen.node_id, capacity,
                            routed.prompt.hashed.get(chosen.block_size, b""), chosen.block_size or bs)
-    if r.source == "rule" or r.lowered:
-        payload["kv_retention"] = r.body
-        r.in_body = True
+    r.in_body = r.source == "rule" or bool(r.lowered)
     if routed.recent is not None:  # the dashboard's recent decisions show it
         routed.recent["retention"] = r.source + (f":{r.rule}" if r.rule else "") + (" (lowered)" if r.lowered else "")
     return r

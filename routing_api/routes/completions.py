@@ -35,34 +35,37 @@ from routing_api.state import RouterState
 router = APIRouter()
 
 
-async def _body(request: Request, key: ApiKey | None) -> tuple[dict[str, Any], str | None]:
-    """The body to forward and the cache salt to route with (a tenant's, set in the body)."""
-    payload: dict[str, Any] = json.loads(await request.body())
-    if key is None or not key.tenant:
-        return payload, None
-    payload["cache_salt"] = key.tenant
-    return payload, key.tenant
+def _tenant(key: ApiKey | None) -> str | None:
+    """The tenant of the request's API key (its name salts the request's blocks)."""
+    return key.tenant if key is not None and key.tenant else None
 
 
-async def _content(request: Request, payload: dict[str, Any], tenant: str | None, sent: Retention | None) -> bytes:
-    """The body as the client sent it, byte for byte, unless the router changed it."""
+async def _content(request: Request, tenant: str | None, sent: Retention | None) -> bytes:
+    """The body to forward: as the client sent it, byte for byte, unless the router sets the
+    tenant's ``cache_salt`` or the ``kv_retention`` it decided (``sent.in_body``)."""
+    raw = await request.body()
     if tenant is None and (sent is None or not sent.in_body):
-        return await request.body()
+        return raw
+    payload = json.loads(raw)
+    if tenant is not None:
+        payload["cache_salt"] = tenant
+    if sent is not None and sent.in_body:
+        payload["kv_retention"] = sent.body
     return json.dumps(payload).encode()
 
 
 @router.post("/v1/completions")
 async def completions(req: ProxiedCompletion, request: Request, state: State,
                       key: ApiKey | None = scope("complete")) -> Response:
-    payload, tenant = await _body(request, key)
+    tenant = _tenant(key)
     prompt = req.first_prompt()
     text, tokens = (prompt, None) if isinstance(prompt, str) else (None, prompt)
     model = req.model or (_only_model(list((await fleet_rows(state))[0])) if req.prompt_cache_key else None)
     keyed = await key_row(state, tenant, model, req.prompt_cache_key)
     routed = await route(state, tokens, text, req.lora_id, tenant or req.cache_salt, req.model, key=keyed)
     sent = retain(state, routed, req, None, None, tokens if tokens is not None else routed_tokens(routed),
-                  tenant, model, payload)
-    content = await _content(request, payload, tenant, sent)
+                  tenant, model)
+    content = await _content(request, tenant, sent)
     return await _forward(state, routed, "/v1/completions", content, req, tenant, model, sent)
 
 
@@ -100,7 +103,7 @@ async def chat_prompt(state: RouterState, chat: Chat) -> tuple[str, str, ChatTem
 @router.post("/v1/chat/completions")
 async def chat_completions(req: ProxiedChat, request: Request, state: State,
                            key: ApiKey | None = scope("complete")) -> Response:
-    payload, tenant = await _body(request, key)
+    tenant = _tenant(key)
     try:
         model, text, template = await chat_prompt(state, req)
     except ChatTemplateError as exc:
@@ -109,10 +112,10 @@ async def chat_completions(req: ProxiedChat, request: Request, state: State,
     routed = await route(state, None, text, req.lora_id, tenant or req.cache_salt, model, special_tokens=False,
                          key=keyed)
     try:
-        sent = retain(state, routed, req, req, template, routed_tokens(routed), tenant, model, payload)
+        sent = retain(state, routed, req, req, template, routed_tokens(routed), tenant, model)
     except PromptCacheError as exc:
         return error_response(400, str(exc), param=exc.param)
-    content = await _content(request, payload, tenant, sent)
+    content = await _content(request, tenant, sent)
     return await _forward(state, routed, "/v1/chat/completions", content, req, tenant, model, sent)
 
 
@@ -134,10 +137,9 @@ async def _forward(state: RouterState, routed: Routed, path: str, content: bytes
         said["prompt_cache_key"] = routed.body["prompt_cache_key"]
 
     def amend(body: dict[str, Any]) -> None:
-        if said:
-            kv = body.setdefault("kvflow", {})
-            if isinstance(kv, dict):
-                kv["router"] = said
+        kv = body.setdefault("kvflow", {})
+        if isinstance(kv, dict):
+            kv["router"] = said
 
     headers = {}
     if sent is not None:
@@ -145,7 +147,8 @@ async def _forward(state: RouterState, routed: Routed, path: str, content: bytes
         if sent.lowered:
             headers["x-kvflow-retention-lowered"] = "; ".join(sent.lowered)[:1000]
     return await forward(state, routed, path, content, req.stream,
-                         observe=observe if key is not None else None, amend=amend, headers=headers)
+                         observe=observe if key is not None else None, amend=amend if said else None,
+                         headers=headers)
 
 
 def _only_model(rows: list[Any]) -> str:

@@ -120,3 +120,48 @@ def test_a_request_that_was_sent_is_never_sent_again(failure):
 def test_a_node_answering_5xx_is_a_502_and_is_not_retried():
     r, _s, tried = run(lambda request: httpx.Response(500, text="boom"))
     assert (tried, r.status_code) == (["a"], 502)
+
+
+def _hooked(handler, stream: bool, amend=None) -> tuple[httpx.Response, list]:
+    """``forward`` with ``observe`` (and ``amend``): the answer and what was observed."""
+    seen: list = []
+    s = state(handler)
+
+    async def go():
+        response = await forward(s, routed(), "/v1/chat/completions", b"{}", stream,
+                                 observe=lambda node, usage: seen.append((node, usage)), amend=amend)
+        body = b"".join([chunk async for chunk in response.body_iterator]) if stream else response.body
+        return httpx.Response(response.status_code, headers=response.headers, content=body)
+
+    return asyncio.run(go()), seen
+
+
+USAGE = {"prompt_tokens": 40, "completion_tokens": 2, "total_tokens": 42,
+         "prompt_tokens_details": {"cached_tokens": 32}}
+
+
+def test_a_whole_answer_is_observed_and_sent_back_byte_for_byte_unless_amended():
+    raw = b'{"id": "x",  "usage": ' + json.dumps(USAGE).encode() + b"}"  # odd spacing: kept as it is
+    r, seen = _hooked(lambda request: httpx.Response(200, content=raw), stream=False)
+    assert r.content == raw and seen == [("a", USAGE)]
+    r, _ = _hooked(lambda request: httpx.Response(200, content=raw), stream=False,
+                   amend=lambda body: body.setdefault("kvflow", {}).update(router={"retention": None}))
+    assert json.loads(r.content) == {"id": "x", "usage": USAGE, "kvflow": {"router": {"retention": None}}}
+
+
+def test_a_streams_usage_is_found_in_its_last_chunks_and_the_stream_passes_unchanged():
+    chunks = [b'data: {"choices": [{"delta": {"content": "hi"}}], "usage": null}\n\n',
+              b'data: {"choices": [], "usage": ' + json.dumps(USAGE).encode() + b"}\n\n", b"data: [DONE]\n\n"]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        async def events():
+            for c in chunks:
+                yield c
+
+        return httpx.Response(200, content=events(), headers={"content-type": "text/event-stream"})
+
+    r, seen = _hooked(handler, stream=True)
+    assert r.content == b"".join(chunks) and seen == [("a", USAGE)]
+    chunks[1] = b'data: {"choices": [], "usage": null}\n\n'  # no include_usage: the key's request counts, no tokens
+    _, seen = _hooked(handler, stream=True)
+    assert seen == [("a", None)]
