@@ -112,7 +112,7 @@ test-unit: $(STAMP) $(ENGINES) ## Only the tests that need no services
 
 lint: $(STAMP) ## ruff and mypy
 	$(BIN)/ruff check .
-	$(BIN)/mypy eventbus openai_api inference_node state_store routing_api bridge kvflow migrations
+	$(BIN)/mypy eventbus openai_api inference_node state_store routing_api bridge kvflow migrations kvflow_vllm
 
 up: $(STAMP) ## Start the local stack (Kafka + PostgreSQL) and migrate the database
 	$(BIN)/kvflow stack up

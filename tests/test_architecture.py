@@ -11,7 +11,8 @@ import pytest
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("eventbus", "openai_api", "inference_node", "state_store", "routing_api", "bridge", "kvflow", "migrations")
+PACKAGES = ("eventbus", "openai_api", "inference_node", "state_store", "routing_api", "bridge", "kvflow", "migrations",
+            "kvflow_vllm")
 #: What each package may import among kvflow's (``kvflow``, the top floor, may import everything).
 ALLOWED = {
     "eventbus": set(),
@@ -21,6 +22,8 @@ ALLOWED = {
     "state_store": {"eventbus"},
     "routing_api": {"eventbus", "openai_api", "state_store"},
     "migrations": {"eventbus", "state_store"},
+    # vLLM's plugin, loaded inside vLLM: the wire's constants and kvflow's pure KV core only (no torch of ours)
+    "kvflow_vllm": {"eventbus", "inference_node"},
     "kvflow": set(PACKAGES) - {"kvflow"},
 }
 MAX_LINES = 500
