@@ -48,7 +48,7 @@ from bridge.translate import BridgeStats, Translator, level_of
 from bridge.wire import AllBlocksCleared, BlockRemoved, BlockStored, EngineBatch
 from bridge.zmq_source import ZmqSource
 from eventbus.hashing import block_digest
-from eventbus.protocol import GPU, InstanceId, NodeCounters, NodeId, NodeStats
+from eventbus.protocol import GPU, MAX_PRIORITY, MIN_PRIORITY, InstanceId, NodeCounters, NodeId, NodeStats
 from eventbus.publisher import ControlListener, Publisher, Sink
 
 log = logging.getLogger("kvflow.bridge")
@@ -268,7 +268,7 @@ class Bridge:
                 if self.block_size is None:
                     self.block_size = ev.block_size
                 t.stored(ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, lora_id=lora_id_of(ev),
-                         cache_salt=ev.cache_salt, level=level_of(ev.medium))
+                         cache_salt=ev.cache_salt, level=level_of(ev.medium), priorities=_priorities(ev))
             elif isinstance(ev, BlockRemoved):
                 t.removed(ev.block_hashes, level_of(ev.medium))
             elif isinstance(ev, AllBlocksCleared):
@@ -374,3 +374,13 @@ class Bridge:
                 "replays": src.replays if src else 0, "replayed_batches": src.replayed_batches if src else 0,
                 "events_published": self.publisher.events_sent if self.publisher else 0,
                 **{k: v for k, v in vars(self.stats).items()}}
+
+
+def _priorities(ev: BlockStored) -> list[int] | None:
+    """The event's per-block priorities when it carries one per block, each within 0..100 (else
+    None: the default priority; a malformed list is not trusted)."""
+    p = ev.priorities
+    if p is None or len(p) != len(ev.block_hashes) or not all(
+            isinstance(x, int) and MIN_PRIORITY <= x <= MAX_PRIORITY for x in p):
+        return None
+    return p

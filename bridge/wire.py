@@ -46,6 +46,10 @@ class BlockStored(msgspec.Struct, kw_only=True):
     medium: str | None = None
     lora_name: str | None = None
     cache_salt: str | None = None
+    #: each block's retention priority (0-100): vLLM with kvflow's plugin (docs/vllm-retention.md)
+    #: sends it; None (stock vLLM, SGLang): the default priority. Untyped here, so that a malformed
+    #: list costs the priorities (``bridge.service``), not the event.
+    priorities: list[Any] | None = None
 
 
 class BlockRemoved(msgspec.Struct, kw_only=True):

@@ -1,6 +1,6 @@
 """Where the plugin touches vLLM (docs/research/vllm-retention-plugin.md has the line numbers).
 
-Three patch points, the same in vLLM 0.32.0 and 0.33.0:
+Four patch points, the same in vLLM 0.32.0 and 0.33.0:
 
 * ``vllm.v1.core.block_pool.FreeKVCacheBlockQueue`` (looked up when a ``BlockPool`` is built,
   after the plugins load in the engine core process): the retention queue;
@@ -11,6 +11,9 @@ Three patch points, the same in vLLM 0.32.0 and 0.33.0:
 * ``KVCacheManager.allocate_slots(request, num_new_tokens, num_new_computed_tokens,
   new_computed_blocks, ...)``: the one place that sees a request and the cached blocks it
   reuses (prefix hits never pass through ``cache_full_blocks``).
+
+and ``vllm.v1.core.block_pool.BlockStored``, the stored-block event: a subclass with the blocks'
+``priorities`` (vLLM's own decoder ignores the field; kvflow's bridge reads it).
 
 Freeing needs no hook: the queue reads a block's claim when vLLM frees it.
 """
@@ -30,13 +33,15 @@ def _queue_of(block: Any) -> Any:
     return queue if getattr(queue, "kvflow_retention", False) else None
 
 
-def claim_blocks(request: Any, blocks: Any, first: int, end: int, block_size: int) -> None:
+def claim_blocks(request: Any, blocks: Any, first: int, end: int, block_size: int) -> list[int] | None:
     """``request``'s retention claims ``blocks[first:end]`` (block ``i`` holds tokens
-    ``[i * block_size, (i + 1) * block_size)`` of the request)."""
+    ``[i * block_size, (i + 1) * block_size)`` of the request); the claimed blocks' priorities
+    after it, in order (None: the request has no retention)."""
     cfg = retention_of(request)
     if cfg is None:
-        return
+        return None
     prompt_len = request.num_prompt_tokens
+    out = []
     for i in range(first, end):
         block = blocks[i]
         if getattr(block, "is_null", False):
@@ -44,10 +49,24 @@ def claim_blocks(request: Any, blocks: Any, first: int, end: int, block_size: in
         queue = _queue_of(block)
         if queue is not None:
             queue.claim(block, *cfg.block_retention(i * block_size, (i + 1) * block_size, prompt_len))
+            out.append(queue.retention(block)[0])
+    return out
+
+
+def stored_event_class(base: type) -> type:
+    """vLLM's ``BlockStored`` with each block's priority (``priorities``): the same tag, so vLLM's
+    own decoder reads it as a plain ``BlockStored``, and the same bytes while it is None."""
+
+    class BlockStoredRetained(base, tag="BlockStored"):  # type: ignore[misc,call-arg]
+        priorities: list[int] | None = None
+
+    return BlockStoredRetained
 
 
 #: The name ``BlockPool.__init__`` looks the queue class up by, in ``vllm.v1.core.block_pool``.
 QUEUE = "FreeKVCacheBlockQueue"
+#: The name its events are built by there (``BlockStored``).
+EVENT = "BlockStored"
 _originals: dict[str, Any] = {}
 
 
@@ -58,6 +77,7 @@ def unpatch() -> None:
 
     if _originals:
         setattr(block_pool, QUEUE, _originals.pop("queue"))
+        setattr(block_pool, EVENT, _originals.pop("event"))
         block_pool.BlockPool.cache_full_blocks = _originals.pop("cache_full_blocks")  # type: ignore[method-assign]
         KVCacheManager.allocate_slots = _originals.pop("allocate_slots")  # type: ignore[method-assign]
 
@@ -72,15 +92,24 @@ def patch() -> None:
     cache_full_blocks = block_pool.BlockPool.cache_full_blocks
     allocate_slots = KVCacheManager.allocate_slots
     stock_queue = getattr(block_pool, QUEUE)
-    _originals.update(queue=stock_queue, cache_full_blocks=cache_full_blocks, allocate_slots=allocate_slots)
+    stock_event = getattr(block_pool, EVENT)
+    _originals.update(queue=stock_queue, event=stock_event, cache_full_blocks=cache_full_blocks,
+                      allocate_slots=allocate_slots)
     setattr(block_pool, QUEUE, make_queue_class(stock_queue))
+    setattr(block_pool, EVENT, stored_event_class(stock_event))
 
     @functools.wraps(cache_full_blocks)
     def cache_full_blocks_retained(self: Any, request: Any, blocks: Any, num_cached_blocks: int,
                                    num_full_blocks: int, block_size: int, *args: Any, **kwargs: Any) -> Any:
+        events = getattr(self, "kv_event_queue", None)
+        before = len(events) if events is not None else 0
         out = cache_full_blocks(self, request, blocks, num_cached_blocks, num_full_blocks, block_size,
                                 *args, **kwargs)
-        claim_blocks(request, blocks, num_cached_blocks, num_full_blocks, block_size)
+        priorities = claim_blocks(request, blocks, num_cached_blocks, num_full_blocks, block_size)
+        if priorities and events is not None and len(events) > before:
+            stored = events[-1]  # the one BlockStored of these blocks (vLLM appends it last)
+            if hasattr(stored, "priorities") and len(stored.block_hashes) == len(priorities):
+                stored.priorities = priorities
         return out
 
     @functools.wraps(allocate_slots)

@@ -249,3 +249,19 @@ def test_a_publisher_that_came_back_is_asked_what_the_sub_missed_and_a_restart_i
     b.pump()
     assert b.instances == 2 and b.resets == {"engine restarted": 1} and b.expected == 1
     assert list(instances(sink)[b.instance_id].blocks) == kv([9] * 4)
+
+
+def test_per_block_priorities_of_vllm_with_kvflows_plugin_are_read_and_checked():
+    from bridge.service import _priorities
+
+    tokens = list(range(8))
+    batch = decode_frames(frames(1, [stored_map([1, 2], None, tokens, priorities=[100, 60]),
+                                     stored_map([3], None, tokens[:4], priorities=["high"]),
+                                     stored_map([4, 5], None, tokens, priorities=[100])]))
+    assert [e.priorities for e in batch.events] == [[100, 60], ["high"], [100]] and not batch.skipped
+    assert [_priorities(e) for e in batch.events] == [[100, 60], None, None]  # bad type, wrong length
+    assert _priorities(BlockStored(block_hashes=[1], token_ids=tokens[:4], block_size=BS, priorities=[101])) is None
+    t = Translator(num_blocks=[64, 0])
+    t.stored([1, 2], None, tokens, BS, priorities=_priorities(batch.events[0]))
+    state = drained(t)
+    assert sorted(b.priority for b in state.blocks.values()) == [60, 100]

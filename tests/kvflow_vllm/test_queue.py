@@ -196,3 +196,26 @@ def test_the_plugin_imports_kvflows_pure_kv_core_only():
             "print(sorted(m for m in mods if not m.startswith('inference_node.kv') and m != 'inference_node'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_stored_events_carry_each_blocks_priority_for_vllms_decoder_and_kvflows_bridge(vllm_kv, plugin):
+    import msgspec
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+    from bridge.wire import decode_payload
+
+    mgr = manager(17)
+    keep = {"token_ranges": [{"start": 0, "end": BS, "priority": 100}, {"start": BS, "end": None, "priority": 60}]}
+    run(mgr, request(vllm_kv, "kept", list(range(900, 900 + 3 * BS)) + [1], keep))
+    run(mgr, request(vllm_kv, "plain", list(range(700, 700 + 2 * BS)) + [1]))
+    kept, plain = [e for e in mgr.take_events() if isinstance(e, BlockStored)]
+    assert kept.priorities == [100, 60, 60] and plain.priorities is None
+    stock = msgspec.msgpack.encode(msgspec.structs.replace(plain))
+    assert b"priorities" not in stock  # without retention: the bytes of a plain BlockStored
+    payload = msgspec.msgpack.encode(KVEventBatch(ts=1.0, events=[kept, plain]))
+    theirs = msgspec.msgpack.decode(payload, type=KVEventBatch)  # vLLM's own decoder
+    assert [type(e).__name__ for e in theirs.events] == ["BlockStored", "BlockStored"]
+    assert theirs.events[0].block_hashes == kept.block_hashes
+    ours = decode_payload(0, payload)  # kvflow's bridge
+    assert [e.priorities for e in ours.events] == [[100, 60, 60], None]
+    assert not any(k.startswith("field:BlockStored.priorities") for k in ours.skipped)
