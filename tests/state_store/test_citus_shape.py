@@ -1,6 +1,7 @@
 """The schema can be distributed by ``node_id`` (Citus, docs/scaling.md): every primary key and
-unique index of kvflow's tables includes ``node_id``, every table has the column, and there is no
-foreign key (none could cross shards)."""
+unique index of the materializer's tables includes ``node_id``, every such table has the column,
+and there is no foreign key (none could cross shards). The router's ``prompt_cache_keys`` (keyed
+by tenant, model and key) stays on the coordinator, or is distributed by tenant."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def test_every_unique_index_includes_node_id_and_there_are_no_foreign_keys(migra
         FROM pg_index x JOIN pg_class c ON c.oid = x.indrelid JOIN pg_class i ON i.oid = x.indexrelid
         JOIN pg_namespace n ON n.oid = c.relnamespace
         WHERE n.nspname = current_schema() AND (x.indisunique OR x.indisprimary)
-          AND c.relname <> 'alembic_version'""")  # Alembic's own: a local table of the coordinator
+          AND c.relname NOT IN ('alembic_version', 'prompt_cache_keys')""")  # local tables of the coordinator
     assert {r["tbl"] for r in unique} >= {"nodes", "node_blocks", "node_stats_samples"}
     assert [r["idx"] for r in unique if "node_id" not in r["cols"]] == []
     fks = fetch(url, "SELECT conname FROM pg_constraint c JOIN pg_namespace n ON n.oid = c.connamespace "
