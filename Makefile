@@ -87,6 +87,9 @@ model: $(MODEL_STAMP) ## Pull the real model (SmolLM2-135M-Instruct, ~100 MB fro
 bench-node: $(STAMP) $(MODEL_STAMP) $(VLLM_STAMP) ## kvflow's node beside vLLM for the CPU on SmolLM2 (~25 min per dtype; docs/benchmarks.md)
 	$(BIN)/kvflow bench node --json artifacts/bench-node.json
 
+bench-vllm-retention: $(STAMP) $(MODEL_STAMP) $(VLLM_STAMP) ## vLLM for the CPU stock vs with kvflow's retention plugin, on SmolLM2 (~30 min; docs/vllm-retention.md)
+	$(BIN)/kvflow bench vllm-retention --json artifacts/bench-vllm-retention.json
+
 bench-prompt-cache: $(STAMP) $(MODEL_STAMP) ## clients' prompt-caching marks under a flood vs none, on SmolLM2 (~7 min; docs/benchmarks.md)
 	$(BIN)/kvflow bench prompt-cache --json artifacts/bench-prompt-cache.json
 

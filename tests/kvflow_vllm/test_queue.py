@@ -219,3 +219,11 @@ def test_stored_events_carry_each_blocks_priority_for_vllms_decoder_and_kvflows_
     ours = decode_payload(0, payload)  # kvflow's bridge
     assert [e.priorities for e in ours.events] == [[100, 60, 60], None]
     assert not any(k.startswith("field:BlockStored.priorities") for k in ours.skipped)
+
+
+def test_kvflow_registers_the_plugin_on_vllms_entry_point_group():
+    """What ``pip install kvflow`` gives vLLM: ``vllm.general_plugins`` → ``kvflow_retention``."""
+    from importlib.metadata import entry_points
+
+    (ep,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "kvflow_retention"]
+    assert ep.value == "kvflow_vllm:register" and ep.dist is not None and ep.dist.name == "kvflow"
