@@ -111,23 +111,37 @@ def _pressure(engine: Engine, w: Workload, retention: Callable[[str], dict[str, 
             "ttft": [a.ttft_s for a in later]}
 
 
+def retain_system(model_dir: Path) -> Callable[[str], dict[str, Any]]:
+    """``kv_retention`` (kvflow's object) keeping a system message's tokens, as the model's chat
+    template renders it alone, at priority 100."""
+    from openai_api.chat import load_chat_template
+    from openai_api.tokenizers import load_tokenizer
+
+    template, tokenizer = load_chat_template(model_dir), load_tokenizer(model_dir)
+
+    def keep(system: str) -> dict[str, Any]:
+        n = len(tokenizer.encode(template.render([{"role": "system", "content": system}], add_generation_prompt=False),
+                                 add_special_tokens=False))
+        return {"token_ranges": [{"start": 0, "end": n, "priority": 100}]}
+
+    return keep
+
+
 def bench_engines(model_dir: Path, logs: Path, *, dtypes: tuple[str, ...] = ("float32", "bfloat16"),
                   concurrencies: tuple[int, ...] = (1, 4, 16), rounds: int = 2, max_tokens: int = 32,
                   kv_tokens: int = 8192, workload: Workload | None = None, vllm: bool = True,
                   say: Callable[[str], None] = lambda _m: None) -> BenchResult:
     """kvflow's node and vLLM on ``model_dir`` (see the module docstring)."""
-    from openai_api.chat import load_chat_template
     from openai_api.tokenizers import load_tokenizer
 
     res = BenchResult("node")
     w = workload or Workload()
-    template, tokenizer = load_chat_template(model_dir), load_tokenizer(model_dir)
+    system_retention = retain_system(model_dir)
+    tokenizer = load_tokenizer(model_dir)
 
     def retention(system: str) -> dict[str, Any]:
         """kvflow's retention for a chat whose system message is ``system``: its tokens at 100."""
-        n = len(tokenizer.encode(template.render([{"role": "system", "content": system}], add_generation_prompt=False),
-                                 add_special_tokens=False))
-        return {"kv_retention": {"token_ranges": [{"start": 0, "end": n, "priority": 100}]}}
+        return {"kv_retention": system_retention(system)}
 
     have_vllm = vllm and vllm_python() is not None
     if vllm and not have_vllm:

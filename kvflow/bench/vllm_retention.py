@@ -29,7 +29,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvflow.bench.engines import BLOCK_SIZE, BYTES, KV_ELEMENTS_PER_TOKEN, Workload, _pressure, _vllm_version
+from kvflow.bench.engines import (
+    BLOCK_SIZE,
+    BYTES,
+    KV_ELEMENTS_PER_TOKEN,
+    Workload,
+    _pressure,
+    _vllm_version,
+    retain_system,
+)
 from kvflow.bench.harness import BenchResult, percentile
 from kvflow.bench.serving import Engine, run_all, start_vllm
 
@@ -66,19 +74,13 @@ def bench_vllm_retention(model_dir: Path, logs: Path, *, rounds: int = 2, max_to
                          kv_tokens: int = 8192, workload: Workload | None = None,
                          say: Callable[[str], None] = lambda _m: None) -> BenchResult:
     """Stock vLLM and vLLM with kvflow's plugin on ``model_dir`` (see the module docstring)."""
-    from openai_api.chat import load_chat_template
-    from openai_api.tokenizers import load_tokenizer
-
     res = BenchResult("vllm-retention")
     w = workload or Workload()
-    template, tokenizer = load_chat_template(model_dir), load_tokenizer(model_dir)
+    keep = retain_system(model_dir)
 
     def retention(system: str) -> dict[str, Any]:
         """The system prompt's tokens at 100, in vLLM's words (``vllm_xargs``: flat, so JSON text)."""
-        n = len(tokenizer.encode(template.render([{"role": "system", "content": system}], add_generation_prompt=False),
-                                 add_special_tokens=False))
-        keep = {"token_ranges": [{"start": 0, "end": n, "priority": 100}]}
-        return {"vllm_xargs": {"kv_retention": json.dumps(keep)}}
+        return {"vllm_xargs": {"kv_retention": json.dumps(keep(system))}}
 
     per: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
     started: dict[str, Engine] = {}
