@@ -23,6 +23,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import asyncpg
+
 from routing_api.queries import DatabaseUnavailable, StateReader
 
 log = logging.getLogger("kvflow.router")
@@ -69,6 +71,7 @@ class CacheKeys:
         self.reader = reader
         self.local: dict[tuple[str, str, str], KeyRow] = {}
         self.write_failures = 0
+        self.read_failures = 0
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def lookup(self, tenant: str | None, model: str, key: str) -> KeyRow | None:
@@ -76,6 +79,9 @@ class CacheKeys:
         try:
             rows = await self.reader._fetch(KEY_ROW, *scope)
         except DatabaseUnavailable:
+            return self.local.get(scope)
+        except asyncpg.PostgresError as exc:  # e.g. a database not upgraded to 0005: keys by this process only
+            self._schema_missing(exc)
             return self.local.get(scope)
         if not rows:
             return self.local.get(scope)
@@ -117,5 +123,16 @@ class CacheKeys:
         """The most recently used keys with their node and hit rate (the dashboard's table): a
         tenant's key sees its own tenant's keys only (None: every tenant's, an open router's or an
         operator's key)."""
+        try:
+            rows = await self.reader._fetch(KEY_STATS, limit, tenant)
+        except asyncpg.PostgresError as exc:
+            self._schema_missing(exc)
+            return []
         return [{k: (float(v) if k in ("hit_rate", "last_used") and v is not None else v) for k, v in r.items()}
-                for r in await self.reader._fetch(KEY_STATS, limit, tenant)]
+                for r in rows]
+
+    def _schema_missing(self, exc: BaseException) -> None:
+        if not self.read_failures:
+            log.warning("cannot read prompt_cache_keys (%s: %s; is the database at migration 0005? kvflow db "
+                        "upgrade): keys are kept by this router process only", type(exc).__name__, exc)
+        self.read_failures += 1

@@ -125,3 +125,22 @@ def test_a_cut_keeps_the_earliest_blocks_and_expired_blocks_free_room():
     assert "tokens from 64 keep the default priority" in second.lowered[0]
     now[0] = 11.0  # both expired
     assert ledger.held("t", "n") == 0
+
+
+def test_a_database_without_the_keys_table_costs_the_key_not_the_request():
+    """A router on a database not upgraded to migration 0005: keys from this process, no 500."""
+    import asyncio
+
+    import asyncpg
+
+    from routing_api.cache_keys import CacheKeys, KeyRow
+
+    class Reader:
+        async def _fetch(self, sql: str, *args: object) -> list:
+            raise asyncpg.UndefinedTableError('relation "prompt_cache_keys" does not exist')
+
+    keys = CacheKeys(Reader())  # type: ignore[arg-type]
+    keys.local[("", "m", "k")] = KeyRow("n1")
+    assert asyncio.run(keys.lookup(None, "m", "k")) == KeyRow("n1")
+    assert asyncio.run(keys.lookup(None, "m", "other")) is None
+    assert asyncio.run(keys.stats(None)) == [] and keys.read_failures == 3
