@@ -132,9 +132,7 @@ class CachePlan:
         return {"source": self.source,
                 "breakpoints": [{"field": b.field, "kind": b.kind, "position": b.position, "ttl_s": b.ttl_s}
                                 for b in self.written],
-                "ignored": list(self.ignored),
-                "retained": [{"start": s.start, "end": s.end, "priority": s.priority, "duration_s": s.duration_s}
-                             for s in self.segments]}
+                "ignored": list(self.ignored), "retained": retention_body(self.segments)["token_ranges"]}
 
 
 def uses_marks(body: Marked) -> bool:
@@ -246,9 +244,9 @@ def plan_chat(body: MarkedChat, template: ChatTemplate, encode: Callable[[str], 
     Raises:
         PromptCacheError: a mark that cannot be placed (``param`` names it).
     """
-    if not uses_marks(body):
-        return CachePlan("none")
     explicit = explicit_marks(body, _request_ttl(body))
+    if not explicit and body.prompt_cache_options is None and body.prompt_cache_retention is None:
+        return CachePlan("none")  # no control used: cached as before (uses_marks, without walking twice)
     if body.kv_retention is not None:
         return CachePlan("kv_retention", ignored=tuple(b.field for b in explicit))
     implicit = body.prompt_cache_options is None or body.prompt_cache_options.mode == "implicit"

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from collections import OrderedDict
 from typing import Any
 
 import asyncpg
@@ -29,10 +29,12 @@ from routing_api.queries import DatabaseUnavailable, StateReader
 
 log = logging.getLogger("kvflow.router")
 
-KEY_ROW = """
-SELECT node_id, requests, prompt_tokens, cached_tokens FROM prompt_cache_keys
-WHERE tenant = $1 AND model = $2 AND cache_key = $3
+KEY_NODE = """
+SELECT node_id FROM prompt_cache_keys WHERE tenant = $1 AND model = $2 AND cache_key = $3
 """
+
+#: Keys this process remembers itself (its writes: read when PostgreSQL cannot be), the latest.
+LOCAL_KEYS = 100_000
 
 UPSERT = """
 INSERT INTO prompt_cache_keys AS k (tenant, model, cache_key, node_id, requests, prompt_tokens, cached_tokens)
@@ -49,44 +51,28 @@ FROM prompt_cache_key_hit_rates WHERE $2::text IS NULL OR tenant = $2 ORDER BY l
 """
 
 
-@dataclass(frozen=True, slots=True)
-class KeyRow:
-    """A key's node and its counts."""
-
-    node_id: str
-    requests: int = 0
-    #: requests, prompt tokens and cached tokens of the answers that carried a usage
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-
-    def credit_blocks(self, prompt_blocks: int) -> int:
-        """The blocks the key's node is credited with (module docstring): all of the prompt's."""
-        return prompt_blocks
-
-
 class CacheKeys:
     """The keys' nodes: PostgreSQL first, this process's own writes when it cannot be read."""
 
     def __init__(self, reader: StateReader) -> None:
         self.reader = reader
-        self.local: dict[tuple[str, str, str], KeyRow] = {}
+        #: (tenant, model, key) → the node of the key's last request this process proxied
+        self.local: OrderedDict[tuple[str, str, str], str] = OrderedDict()
         self.write_failures = 0
         self.read_failures = 0
         self._tasks: set[asyncio.Task[None]] = set()
 
-    async def lookup(self, tenant: str | None, model: str, key: str) -> KeyRow | None:
+    async def lookup(self, tenant: str | None, model: str, key: str) -> str | None:
+        """The node of the key's last request (None: a key not seen)."""
         scope = (tenant or "", model, key)
         try:
-            rows = await self.reader._fetch(KEY_ROW, *scope)
+            rows = await self.reader._fetch(KEY_NODE, *scope)
         except DatabaseUnavailable:
             return self.local.get(scope)
         except asyncpg.PostgresError as exc:  # e.g. a database not upgraded to 0005: keys by this process only
             self._schema_missing(exc)
             return self.local.get(scope)
-        if not rows:
-            return self.local.get(scope)
-        r = rows[0]
-        return KeyRow(r["node_id"], r["requests"], r["prompt_tokens"], r["cached_tokens"])
+        return str(rows[0]["node_id"]) if rows else self.local.get(scope)
 
     def record(self, tenant: str | None, model: str, key: str, node: str, usage: dict[str, Any] | None) -> None:
         """Note the key's request answered by ``node`` (with its usage, if the answer had one)."""
@@ -95,9 +81,10 @@ class CacheKeys:
         if usage:
             prompt = int(usage.get("prompt_tokens") or 0)
             cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-        old = self.local.get(scope)
-        self.local[scope] = KeyRow(node, (old.requests if old else 0) + 1, (old.prompt_tokens if old else 0) + prompt,
-                                   (old.cached_tokens if old else 0) + cached)
+        self.local[scope] = node
+        self.local.move_to_end(scope)
+        if len(self.local) > LOCAL_KEYS:
+            self.local.popitem(last=False)
         task = asyncio.get_running_loop().create_task(self._write(scope, node, prompt, cached))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

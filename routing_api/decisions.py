@@ -20,7 +20,6 @@ from fastapi import HTTPException
 
 from eventbus.hashing import prompt_hash_heads
 from eventbus.protocol import NodeId
-from routing_api.cache_keys import KeyRow
 from routing_api.errors import Unavailable
 from routing_api.fleet import FleetView
 from routing_api.prefill import guard
@@ -130,11 +129,11 @@ async def prepare(state: RouterState, token_ids: Sequence[int] | None, text: str
 
 async def route(state: RouterState, token_ids: Sequence[int] | None, text: str | None, lora_id: int | None,
                 salt: str | None, model: str | None, *, special_tokens: bool = True,
-                key: KeyRow | None = None) -> Routed:
+                key_node: str | None = None) -> Routed:
     """Decide where a prompt goes (arguments as :func:`prepare`), count it and format the answer.
 
-    ``key``: the request's ``prompt_cache_key`` row (``routing_api.cache_keys``): its node is
-    credited with the prefix the key's requests found there.
+    ``key_node``: the node of the request's ``prompt_cache_key`` (``routing_api.cache_keys``),
+    credited as if it held all of the prompt's full blocks.
 
     ``decision_ms`` covers it all: the nodes' read, tokenizing, hashing, the query, scoring.
 
@@ -152,11 +151,11 @@ async def route(state: RouterState, token_ids: Sequence[int] | None, text: str |
         except DatabaseUnavailable:
             prompt.degraded = True  # the query failed: degraded as well
     credit = 0
-    keyed = next((v.node_id for v in fleet.views if key is not None and v.node_id == key.node_id), None)
-    if key is not None and keyed is not None:
+    keyed = next((v.node_id for v in fleet.views if v.node_id == key_node), None)
+    if keyed is not None:
         seen = matches.get(keyed, NO_MATCH)
-        credit = key.credit_blocks(prompt.blocks)
-        if credit > seen.gpu + seen.host:
+        if prompt.blocks > seen.gpu + seen.host:
+            credit = prompt.blocks
             matches = {**matches, keyed: PrefixMatch(gpu=credit - seen.host, host=seen.host)}
     views = overlay(fleet.views, state.suspect_until, state.inflight, time.monotonic(), state.finished,
                     state.work, state.weights.work_tau_s)
@@ -170,8 +169,8 @@ async def route(state: RouterState, token_ids: Sequence[int] | None, text: str |
     elapsed = time.perf_counter() - t0
     body = decision_body(decision, len(prompt.tokens), prompt.blocks, fleet.block_size, elapsed,
                          degraded=prompt.degraded, gone_nodes=fleet.gone)
-    if key is not None:
-        body["prompt_cache_key"] = {"node_id": key.node_id, "credit_blocks": credit}
+    if key_node is not None:
+        body["prompt_cache_key"] = {"node_id": key_node, "credit_blocks": credit}
     recent = state.record_decision(decision, body["prompt_blocks"], len(prompt.tokens), body["matched_tokens"],
                                    elapsed)
     return Routed(decision, body, body["prompt_blocks"], prompt, recent)

@@ -37,15 +37,9 @@ Amend = Callable[["dict[str, Any]"], None]
 TAIL_BYTES = 8192
 
 
-def usage_of(text: bytes) -> dict[str, Any] | None:
-    """The usage of an answer: a JSON body's, or a stream's last chunk with a non-null usage."""
-    if text.lstrip().startswith(b"{"):
-        try:
-            usage = json.loads(text).get("usage")
-        except ValueError:
-            return None
-        return usage if isinstance(usage, dict) else None
-    for line in reversed(text.split(b"\n")):
+def stream_usage(tail: bytes) -> dict[str, Any] | None:
+    """The usage of a stream: its last chunk with a non-null usage, in the stream's ``tail``."""
+    for line in reversed(tail.split(b"\n")):
         if line.startswith(b"data: {") and b'"usage"' in line:
             try:
                 usage = json.loads(line[6:]).get("usage")
@@ -182,4 +176,4 @@ async def _relay(upstream: httpx.Response, node: str, done: Proxied,
         await upstream.aclose()
         done(outcome)
         if observe is not None and outcome == "ok":
-            observe(node, usage_of(tail))
+            observe(node, stream_usage(tail))

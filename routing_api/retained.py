@@ -18,16 +18,11 @@ from routing_api.decisions import Routed
 from routing_api.retention import Retention, cap_priority, rule_retention
 from routing_api.state import RouterState
 
-__all__ = ["Retention", "retain", "routed_tokens"]
-
-
-def routed_tokens(routed: Routed) -> Sequence[int]:
-    """The prompt's tokens as the decision tokenized them."""
-    return routed.prompt.tokens if routed.prompt is not None else ()
+__all__ = ["Retention", "retain"]
 
 
 def retain(state: RouterState, routed: Routed, req: _Proxied, chat: MarkedChat | None, template: ChatTemplate | None,
-           tokens: Sequence[int], tenant: str | None, model: str | None) -> Retention | None:
+           tenant: str | None, model: str | None) -> Retention | None:
     """The request's retention after the rules and its tenant's limits (``in_body``: to be sent as
     the body's ``kv_retention``, for it differs from what the node would make of the body); None
     when the router has nothing to say.
@@ -37,18 +32,19 @@ def retain(state: RouterState, routed: Routed, req: _Proxied, chat: MarkedChat |
     """
     policy = state.policy
     bs = routed.block_size
+    tokens: Sequence[int] = routed.prompt.tokens if routed.prompt is not None else ()  # as the decision tokenized them
 
     def encode(text: str) -> Sequence[int]:
         return state.tokenizer.encode_compact(text, add_special_tokens=False)
 
+    plan = None if req.kv_retention is not None or chat is None or template is None else \
+        plan_chat(chat, template, encode, tokens, bs)
     if req.kv_retention is not None:
         r = Retention("kv_retention", req.kv_retention.model_dump())
-    elif chat is not None and uses_marks(chat):
-        if template is None:
-            return None  # no template known to place them: the node does, and its answer says so
-        r = Retention("prompt_cache", retention_body(plan_chat(chat, template, encode, tokens, bs).segments))
-    elif uses_marks(req):
-        return None  # a completion's controls retain nothing (no parts to mark)
+    elif plan is not None and plan.source == "prompt_cache":
+        r = Retention("prompt_cache", retention_body(plan.segments))
+    elif plan is None and uses_marks(req):
+        return None  # marks without a template to place them (the node does), or a completion's (nothing to mark)
     else:
         rule = policy.rule_for(model, tenant, bool(chat is not None and chat.chat_tools()), len(tokens))
         if rule is None:
@@ -63,7 +59,6 @@ def retain(state: RouterState, routed: Routed, req: _Proxied, chat: MarkedChat |
         capacity = next((v.capacity_gpu for v in routed.prompt.fleet.views if v.node_id == chosen.node_id), 0)
         state.ledger.admit(r, limit, tenant, chosen.node_id, capacity,
                            routed.prompt.hashed.get(chosen.block_size, b""), chosen.block_size or bs)
-    r.in_body = r.source == "rule" or bool(r.lowered)
     if routed.recent is not None:  # the dashboard's recent decisions show it
         routed.recent["retention"] = r.source + (f":{r.rule}" if r.rule else "") + (" (lowered)" if r.lowered else "")
     return r

@@ -134,8 +134,12 @@ class Retention:
     body: dict[str, Any]  # the ``kv_retention`` object (``openai_api.schemas.RetentionIn``'s shape)
     rule: str | None = None
     lowered: list[str] = field(default_factory=list)
-    #: the router set it as the body's ``kv_retention``
-    in_body: bool = False
+
+    @property
+    def in_body(self) -> bool:
+        """Whether the router sends it as the body's ``kv_retention``: it differs from what the node
+        would make of the body (a rule gave it, or a limit lowered it)."""
+        return self.source == "rule" or bool(self.lowered)
 
     def to_json(self) -> dict[str, Any]:
         return {"source": self.source, "rule": self.rule, "lowered": self.lowered, "kv_retention": self.body}

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvflow.bench.harness import BenchResult, percentile
+from kvflow.bench.harness import BenchResult, percentile_ms
 from kvflow.bench.serving import Answer, Engine, run_all, start_node, start_vllm, vllm_python
 
 BLOCK_SIZE = 32
@@ -77,10 +77,6 @@ class Workload:
                 self.pressure.append(("flood", _chat(_system(rng, rules, f"One-off {r}.{f} #{rng.randrange(10**9)}. "),
                                                      "Summarize.")))
         self.pressure_systems = systems
-
-
-def _ms(values: list[float], q: float) -> float:
-    return percentile(values, q) * 1000
 
 
 def _scenarios(engine: Engine, w: Workload, concurrencies: tuple[int, ...], max_tokens: int,
@@ -197,16 +193,16 @@ def _figures(res: BenchResult, rounds_of: dict[tuple[str, str], list[dict[str, A
             into[f"{name}_{key}_tokens_per_s_c{c}"] = statistics.median(r[f"tokens_per_s_c{c}"] for r in rounds)
         cached = [t for r in rounds for t in r["ttft_cached"]]
         cold = [t for r in rounds for t in r["ttft_cold"]]
-        into[f"{name}_{key}_ttft_cached_p50_ms"] = _ms(cached, 50)
-        into[f"{name}_{key}_ttft_cached_p99_ms"] = _ms(cached, 99)
-        into[f"{name}_{key}_ttft_cold_p50_ms"] = _ms(cold, 50)
-        into[f"{name}_{key}_ttft_cold_p99_ms"] = _ms(cold, 99)
+        into[f"{name}_{key}_ttft_cached_p50_ms"] = percentile_ms(cached, 50)
+        into[f"{name}_{key}_ttft_cached_p99_ms"] = percentile_ms(cached, 99)
+        into[f"{name}_{key}_ttft_cold_p50_ms"] = percentile_ms(cold, 50)
+        into[f"{name}_{key}_ttft_cold_p99_ms"] = percentile_ms(cold, 99)
         into[f"{name}_{key}_peak_rss_mb"] = max(r["peak_rss_mb"] for r in rounds)
         p = pressure_of[(name, dtype)]
         ttft = [t for r in p for t in r["ttft"]]
         into[f"{name}_{key}_pressure_cached_share"] = statistics.median(r["cached_share"] for r in p)
-        into[f"{name}_{key}_pressure_ttft_p50_ms"] = _ms(ttft, 50)
-        into[f"{name}_{key}_pressure_ttft_p99_ms"] = _ms(ttft, 99)
+        into[f"{name}_{key}_pressure_ttft_p50_ms"] = percentile_ms(ttft, 50)
+        into[f"{name}_{key}_pressure_ttft_p99_ms"] = percentile_ms(ttft, 99)
         res.details.setdefault("per_round", {})[f"{name}_{dtype}"] = {"scenarios": rounds, "pressure": p}
     if "vllm" not in engines:
         return

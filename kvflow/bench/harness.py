@@ -79,6 +79,11 @@ def percentile(values: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
+def percentile_ms(seconds: list[float], q: float) -> float:
+    """The q-th percentile of durations in seconds, in milliseconds."""
+    return percentile(seconds, q) * 1000
+
+
 def environment() -> dict[str, Any]:
     env: dict[str, Any] = {
         "python": sys.version.split()[0],

@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from kvflow.bench.engines import TOPICS, _chat, _system
-from kvflow.bench.harness import BenchResult, percentile
+from kvflow.bench.harness import BenchResult, percentile_ms
 from kvflow.bench.serving import Answer, Engine, run_all, start_nodes
 from kvflow.supervise import stop_groups
 
@@ -200,7 +200,7 @@ def bench_prompt_cache(model_dir: Path, logs: Path, *, variants: Sequence[Varian
                 out = _run(engines[f"{v.name}-{r + 1}"], w, v, max_tokens)
                 runs[v.name].append(out)
                 say(f"  {v.name}: cached share {out['cached_share']:.3f} (system prompts "
-                    f"{out['system_cached_share']:.3f}), TTFT p99 {_ms(out['ttft'], 99):.0f} ms, "
+                    f"{out['system_cached_share']:.3f}), TTFT p99 {percentile_ms(out['ttft'], 99):.0f} ms, "
                     f"{out['wall_s']:.0f} s")
         finally:
             stop_groups([e.proc for e in engines.values()], grace_s=30)
@@ -218,16 +218,12 @@ def bench_prompt_cache(model_dir: Path, logs: Path, *, variants: Sequence[Varian
     return res
 
 
-def _ms(values: list[float], q: float) -> float:
-    return percentile(values, q) * 1000
-
-
 def _figures(res: BenchResult, runs: dict[str, list[dict[str, Any]]], names: list[str]) -> None:
     def figures(rounds: list[dict[str, Any]]) -> dict[str, float]:
         ttft = [t for r in rounds for t in r["ttft"]]
         return {"cached_share": statistics.median(r["cached_share"] for r in rounds),
                 "system_cached_share": statistics.median(r["system_cached_share"] for r in rounds),
-                "ttft_p50_ms": _ms(ttft, 50), "ttft_p99_ms": _ms(ttft, 99)}
+                "ttft_p50_ms": percentile_ms(ttft, 50), "ttft_p99_ms": percentile_ms(ttft, 99)}
 
     base = figures(runs[BASELINE])
     res.baseline.update({f"{BASELINE}_{k}": v for k, v in base.items()})
@@ -245,7 +241,7 @@ def _figures(res: BenchResult, runs: dict[str, list[dict[str, Any]]], names: lis
     # every round's ratios (round i of a variant against round i of the baseline): the spread
     res.details["ratios_per_round"] = {
         name: [{"cached_share_vs_none": _ratio(r["cached_share"], b["cached_share"]),
-                "ttft_p99_vs_none": _ratio(_ms(r["ttft"], 99), _ms(b["ttft"], 99))}
+                "ttft_p99_vs_none": _ratio(percentile_ms(r["ttft"], 99), percentile_ms(b["ttft"], 99))}
                for r, b in zip(runs[name], runs[BASELINE], strict=True)]
         for name in names if name != BASELINE}
     res.details["per_round"] = per_round

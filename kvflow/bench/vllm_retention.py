@@ -38,7 +38,7 @@ from kvflow.bench.engines import (
     _vllm_version,
     retain_system,
 )
-from kvflow.bench.harness import BenchResult, percentile
+from kvflow.bench.harness import BenchResult, percentile_ms
 from kvflow.bench.serving import Engine, run_all, start_vllm
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -100,7 +100,7 @@ def bench_vllm_retention(model_dir: Path, logs: Path, *, rounds: int = 2, max_to
                 out["peak_rss_mb"] = engine.peak_rss_mb()
                 per[v].append(out)
                 say(f"  round {r + 1} {v}: {out['tokens_per_s_c4']:.1f} tokens/s, system prompts cached "
-                    f"{out['cached_share']:.3f}, TTFT p99 {percentile(out['ttft'], 99) * 1000:.0f} ms")
+                    f"{out['cached_share']:.3f}, TTFT p99 {percentile_ms(out['ttft'], 99):.0f} ms")
     finally:
         for engine in started.values():
             engine.stop()
@@ -109,8 +109,8 @@ def bench_vllm_retention(model_dir: Path, logs: Path, *, rounds: int = 2, max_to
         ttft = [t for x in rounds_of for t in x["ttft"]]
         into[f"{v}_tokens_per_s_c4"] = statistics.median(x["tokens_per_s_c4"] for x in rounds_of)
         into[f"{v}_pressure_cached_share"] = statistics.median(x["cached_share"] for x in rounds_of)
-        into[f"{v}_pressure_ttft_p50_ms"] = percentile(ttft, 50) * 1000
-        into[f"{v}_pressure_ttft_p99_ms"] = percentile(ttft, 99) * 1000
+        into[f"{v}_pressure_ttft_p50_ms"] = percentile_ms(ttft, 50)
+        into[f"{v}_pressure_ttft_p99_ms"] = percentile_ms(ttft, 99)
         into[f"{v}_peak_rss_mb"] = max(x["peak_rss_mb"] for x in rounds_of)
     f, b = res.figures, res.baseline
     share = b["stock_pressure_cached_share"]

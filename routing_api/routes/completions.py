@@ -23,19 +23,18 @@ from fastapi import APIRouter, HTTPException, Request, Response
 from openai_api.chat import ChatTemplate, ChatTemplateError, normalize_messages
 from openai_api.prompt_cache import PromptCacheError
 from openai_api.schemas import ProxiedChat, ProxiedCompletion, _Proxied
-from routing_api.cache_keys import KeyRow
 from routing_api.config import ApiKey
 from routing_api.decisions import Routed, fleet_rows, route
 from routing_api.deps import State, scope
 from routing_api.errors import error_response
 from routing_api.proxy import forward
-from routing_api.retained import Retention, retain, routed_tokens
+from routing_api.retained import Retention, retain
 from routing_api.state import RouterState
 
 router = APIRouter()
 
 
-def _tenant(key: ApiKey | None) -> str | None:
+def tenant_of(key: ApiKey | None) -> str | None:
     """The tenant of the request's API key (its name salts the request's blocks)."""
     return key.tenant if key is not None and key.tenant else None
 
@@ -57,14 +56,13 @@ async def _content(request: Request, tenant: str | None, sent: Retention | None)
 @router.post("/v1/completions")
 async def completions(req: ProxiedCompletion, request: Request, state: State,
                       key: ApiKey | None = scope("complete")) -> Response:
-    tenant = _tenant(key)
+    tenant = tenant_of(key)
     prompt = req.first_prompt()
     text, tokens = (prompt, None) if isinstance(prompt, str) else (None, prompt)
     model = req.model or (_only_model(list((await fleet_rows(state))[0])) if req.prompt_cache_key else None)
-    keyed = await key_row(state, tenant, model, req.prompt_cache_key)
-    routed = await route(state, tokens, text, req.lora_id, tenant or req.cache_salt, req.model, key=keyed)
-    sent = retain(state, routed, req, None, None, tokens if tokens is not None else routed_tokens(routed),
-                  tenant, model)
+    keyed = await key_node(state, tenant, model, req.prompt_cache_key)
+    routed = await route(state, tokens, text, req.lora_id, tenant or req.cache_salt, req.model, key_node=keyed)
+    sent = retain(state, routed, req, None, None, tenant, model)
     content = await _content(request, tenant, sent)
     return await _forward(state, routed, "/v1/completions", content, req, tenant, model, sent)
 
@@ -103,23 +101,24 @@ async def chat_prompt(state: RouterState, chat: Chat) -> tuple[str, str, ChatTem
 @router.post("/v1/chat/completions")
 async def chat_completions(req: ProxiedChat, request: Request, state: State,
                            key: ApiKey | None = scope("complete")) -> Response:
-    tenant = _tenant(key)
+    tenant = tenant_of(key)
     try:
         model, text, template = await chat_prompt(state, req)
     except ChatTemplateError as exc:
         return error_response(400, f"messages: {exc}")
-    keyed = await key_row(state, tenant, model, req.prompt_cache_key)
+    keyed = await key_node(state, tenant, model, req.prompt_cache_key)
     routed = await route(state, None, text, req.lora_id, tenant or req.cache_salt, model, special_tokens=False,
-                         key=keyed)
+                         key_node=keyed)
     try:
-        sent = retain(state, routed, req, req, template, routed_tokens(routed), tenant, model)
+        sent = retain(state, routed, req, req, template, tenant, model)
     except PromptCacheError as exc:
         return error_response(400, str(exc), param=exc.param)
     content = await _content(request, tenant, sent)
     return await _forward(state, routed, "/v1/chat/completions", content, req, tenant, model, sent)
 
 
-async def key_row(state: RouterState, tenant: str | None, model: str | None, key: str | None) -> KeyRow | None:
+async def key_node(state: RouterState, tenant: str | None, model: str | None, key: str | None) -> str | None:
+    """The node of a ``prompt_cache_key``'s last request, within the tenant (None: no key, or a new one)."""
     return None if key is None or model is None else await state.cache_keys.lookup(tenant, model, key)
 
 

@@ -14,7 +14,7 @@ from routing_api.config import ApiKey
 from routing_api.decisions import route
 from routing_api.deps import State, authorize, scope, state_of
 from routing_api.errors import Unavailable, error_body, error_json
-from routing_api.routes.completions import chat_prompt, key_row
+from routing_api.routes.completions import chat_prompt, key_node, tenant_of
 from routing_api.state import RouterState
 
 router = APIRouter()
@@ -30,17 +30,18 @@ async def route_answer(state: RouterState, req: RouteRequest, key: ApiKey | None
     """
     if sum(x is not None for x in (req.prompt, req.token_ids, req.messages)) != 1:
         return 422, error_json("give exactly one of prompt, token_ids and messages")
-    salt = key.tenant if key is not None and key.tenant else req.cache_salt
+    tenant = tenant_of(key)
+    salt = tenant or req.cache_salt
     if req.messages is not None:  # routed as POST /v1/chat/completions routes it
         try:
             model, text, _ = await chat_prompt(state, req)
         except ChatTemplateError as exc:
             return 400, error_json(f"messages: {exc}")
-        keyed = await key_row(state, key.tenant if key is not None else None, model, req.prompt_cache_key)
-        routed = await route(state, None, text, req.lora_id, salt, model, special_tokens=False, key=keyed)
+        keyed = await key_node(state, tenant, model, req.prompt_cache_key)
+        routed = await route(state, None, text, req.lora_id, salt, model, special_tokens=False, key_node=keyed)
     else:
-        keyed = await key_row(state, key.tenant if key is not None else None, req.model, req.prompt_cache_key)
-        routed = await route(state, req.token_ids, req.prompt, req.lora_id, salt, req.model, key=keyed)
+        keyed = await key_node(state, tenant, req.model, req.prompt_cache_key)
+        routed = await route(state, req.token_ids, req.prompt, req.lora_id, salt, req.model, key_node=keyed)
     if routed.decision.chosen is None:
         return 503, msgspec.json.encode({**error_body("no live node", "unavailable"), **routed.body})
     return 200, msgspec.json.encode(routed.body)

@@ -133,14 +133,14 @@ def test_a_database_without_the_keys_table_costs_the_key_not_the_request():
 
     import asyncpg
 
-    from routing_api.cache_keys import CacheKeys, KeyRow
+    from routing_api.cache_keys import CacheKeys
 
     class Reader:
         async def _fetch(self, sql: str, *args: object) -> list:
             raise asyncpg.UndefinedTableError('relation "prompt_cache_keys" does not exist')
 
     keys = CacheKeys(Reader())  # type: ignore[arg-type]
-    keys.local[("", "m", "k")] = KeyRow("n1")
-    assert asyncio.run(keys.lookup(None, "m", "k")) == KeyRow("n1")
+    keys.local[("", "m", "k")] = "n1"
+    assert asyncio.run(keys.lookup(None, "m", "k")) == "n1"
     assert asyncio.run(keys.lookup(None, "m", "other")) is None
     assert asyncio.run(keys.stats(None)) == [] and keys.read_failures == 3
