@@ -81,6 +81,9 @@ class BridgeSettings(BaseSettings):
                                                                 "is partial, to make it exact.")
     max_keys: int = Field(default=1 << 22, ge=1, description="Engine blocks held at most (beyond: a new instance).")
     poll_s: float = Field(default=0.2, gt=0, description="TensorRT-LLM: how often its events are fetched.")
+    vllm_plugin: bool = Field(default=False, description=(
+        "vLLM runs kvflow's retention plugin (docs/vllm-retention.md): heartbeats say vllm+kvflow from the "
+        "start (else once its events carry priorities)."))
 
 
 def lora_id_of(event: BlockStored) -> int | None:
@@ -124,6 +127,8 @@ class Bridge:
         self.block_size = settings.block_size
         self.load = load  # the first scrape, for the first instance's capacity
         self.model = settings.model
+        #: the engine's stored-block events carry priorities (vLLM with kvflow's plugin)
+        self.plugin_seen = False
         #: TensorRT-LLM's way (no ZMQ source): fetch events, return how many came
         self.poll_events: Callable[[], int] | None = None
         self.translator: Translator | None = None
@@ -267,6 +272,14 @@ class Bridge:
             if isinstance(ev, BlockStored):
                 if self.block_size is None:
                     self.block_size = ev.block_size
+                if ev.priorities is not None and not self.plugin_seen:
+                    self.plugin_seen = True
+                    log.info("node %s: the engine's events carry priorities: kvflow's retention plugin is active",
+                             self.s.node_id)
+                if ev.priority_update:  # blocks it holds, at new priorities: never new copies
+                    for key, p in zip(ev.block_hashes, _priorities(ev) or (), strict=False):
+                        t.updated(key, priority=p)
+                    continue
                 t.stored(ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, lora_id=lora_id_of(ev),
                          cache_salt=ev.cache_salt, level=level_of(ev.medium), priorities=_priorities(ev))
             elif isinstance(ev, BlockRemoved):
@@ -305,6 +318,14 @@ class Bridge:
         self.publisher.pump()  # type: ignore[union-attr]
         self.view = self._view()
 
+    @property
+    def engine_name(self) -> str:
+        """``NodeStats.engine``: the engine's kind; ``vllm+kvflow`` for vLLM with kvflow's plugin
+        (declared, or seen: its stored-block events carry ``priorities``)."""
+        if self.s.engine == "vllm" and (self.s.vllm_plugin or self.plugin_seen):
+            return "vllm+kvflow"
+        return self.s.engine
+
     def node_stats(self, load: EngineLoad, status: Literal["live", "stopping"] = "live") -> NodeStats | None:
         """The heartbeat for ``load`` (None while the block size is unknown)."""
         v = self.view
@@ -319,7 +340,7 @@ class Bridge:
             capacity=[capacity, 0], used=[max(active, min(capacity, v.gpu_blocks)) if capacity else v.gpu_blocks,
                                           v.host_blocks],
             active_requests=load.running, queued_requests=load.waiting, last_event_id=v.last_event_id,
-            active_blocks=active, status=status,
+            active_blocks=active, status=status, engine=self.engine_name,
             counters=NodeCounters(events_published=self.publisher.events_sent if self.publisher else 0))
 
     def beat(self) -> bool:

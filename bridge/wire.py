@@ -50,6 +50,9 @@ class BlockStored(msgspec.Struct, kw_only=True):
     #: sends it; None (stock vLLM, SGLang): the default priority. Untyped here, so that a malformed
     #: list costs the priorities (``bridge.service``), not the event.
     priorities: list[Any] | None = None
+    #: True: not new blocks, but blocks the engine holds, re-reported because their priorities
+    #: changed (kvflow's vLLM plugin: a request raised the priority of blocks it reuses)
+    priority_update: bool = False
 
 
 class BlockRemoved(msgspec.Struct, kw_only=True):

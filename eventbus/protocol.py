@@ -58,6 +58,10 @@ PUBLISH_BATCH_BYTES: Final = MAX_BATCH_BYTES // 2
 MAX_BLOCK_TOKENS: Final = 1 << 16
 MAX_WINDOW_SIZE: Final = 1 << 31
 MAX_CACHE_LEVEL: Final = 1
+#: ``NodeStats.engine``: kvflow's node (the default, left out of the JSON), or an engine behind a
+#: bridge (``vllm``, ``vllm+kvflow``, ``sglang``, ``trtllm``; others are accepted and get no retention)
+ENGINE_KVFLOW: Final = "kvflow"
+ENGINE_PATTERN: Final = r"^[a-z0-9][a-z0-9_.+-]*$"
 U64_MAX: Final = (1 << 64) - 1
 
 #: Cache levels (the wire's ``cache_level``): the GPU's block pool and the host-memory tier.
@@ -247,6 +251,10 @@ class NodeStats(_Strict, omit_defaults=True):
     counters: NodeCounters = msgspec.field(default_factory=NodeCounters)
     status: Annotated[Literal["live", "stopping"], Meta(
         description="stopping: the node's last heartbeat, sent as it stops (it is gone at once)")] = "live"
+    engine: Annotated[str, Meta(max_length=64, pattern=ENGINE_PATTERN, description=(
+        "What serves the node, and so which words its requests carry retention in (docs/router.md, "
+        "\"Retention per engine\"): kvflow (kvflow's node), vllm, vllm+kvflow (vLLM with kvflow's "
+        "retention plugin), sglang, trtllm; left out for kvflow"))] = ENGINE_KVFLOW
 
 
 class ControlCommand(_Strict):

@@ -314,6 +314,10 @@ def bridge_cmd(
     reset_engine_cache: Annotated[bool | None, typer.Option(
         "--reset-engine-cache/--no-reset-engine-cache",
         help="Empty the engine's prefix cache when kvflow's view of it is partial.")] = None,
+    vllm_plugin: Annotated[bool | None, typer.Option(
+        "--vllm-plugin/--no-vllm-plugin",
+        help="vLLM runs kvflow's retention plugin: the router sends it retention from the first request "
+             "(else from the first event carrying priorities).")] = None,
     log_level: Annotated[str, typer.Option(help="Log level.")] = "info",
 ) -> None:
     """Publish a real engine's KV events and load to kvflow, as a node (docs/bridges.md)."""
@@ -325,7 +329,7 @@ def bridge_cmd(
     overrides: dict[str, Any] = {k: v for k, v in {
         "engine": engine, "node_id": node_id, "events": events, "replay": replay, "engine_url": engine_url,
         "metrics_url": metrics_url, "model": model, "block_size": block_size, "num_blocks": num_blocks,
-        "reset_engine_cache": reset_engine_cache}.items() if v is not None}
+        "reset_engine_cache": reset_engine_cache, "vllm_plugin": vllm_plugin}.items() if v is not None}
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per scrape
 

@@ -13,7 +13,9 @@ Four patch points, the same in vLLM 0.32.0 and 0.33.0:
   reuses (prefix hits never pass through ``cache_full_blocks``).
 
 and ``vllm.v1.core.block_pool.BlockStored``, the stored-block event: a subclass with the blocks'
-``priorities`` (vLLM's own decoder ignores the field; kvflow's bridge reads it).
+``priorities`` (every stored event, so a bridge sees the plugin) and ``priority_update`` (vLLM's own
+decoder ignores both; kvflow's bridge reads them). A request that raises the priority of blocks it
+reuses re-reports them (vLLM's ``emit_cached_block_events``) with ``priority_update``.
 
 Freeing needs no hook: the queue reads a block's claim when vLLM frees it.
 """
@@ -33,34 +35,63 @@ def _queue_of(block: Any) -> Any:
     return queue if getattr(queue, "kvflow_retention", False) else None
 
 
-def claim_blocks(request: Any, blocks: Any, first: int, end: int, block_size: int) -> list[int] | None:
+def claim_blocks(request: Any, blocks: Any, first: int, end: int, block_size: int) -> tuple[list[int], bool]:
     """``request``'s retention claims ``blocks[first:end]`` (block ``i`` holds tokens
-    ``[i * block_size, (i + 1) * block_size)`` of the request); the claimed blocks' priorities
-    after it, in order (None: the request has no retention)."""
+    ``[i * block_size, (i + 1) * block_size)`` of the request); the blocks' priorities after it, in
+    order (35 for those it leaves alone; [] where the pool has no retention queue), and whether a
+    priority changed."""
     cfg = retention_of(request)
-    if cfg is None:
-        return None
     prompt_len = request.num_prompt_tokens
     out = []
+    changed = False
     for i in range(first, end):
         block = blocks[i]
         if getattr(block, "is_null", False):
             continue
         queue = _queue_of(block)
-        if queue is not None:
+        if queue is None:
+            return [], False
+        if cfg is not None:
+            before = queue.retention(block)
             queue.claim(block, *cfg.block_retention(i * block_size, (i + 1) * block_size, prompt_len))
-            out.append(queue.retention(block)[0])
-    return out
+            changed = changed or queue.retention(block) != before
+        out.append(queue.retention(block)[0])
+    return out, changed
 
 
 def stored_event_class(base: type) -> type:
-    """vLLM's ``BlockStored`` with each block's priority (``priorities``): the same tag, so vLLM's
-    own decoder reads it as a plain ``BlockStored``, and the same bytes while it is None."""
+    """vLLM's ``BlockStored`` with each block's priority (``priorities``) and ``priority_update``
+    (True: blocks already stored, re-reported because a request raised their priority): the same
+    tag and trailing fields, so vLLM's own decoder reads it as a plain ``BlockStored`` (an update is
+    then a re-report, as vLLM's own ``kv_cache_report_mode: "full"`` sends)."""
 
     class BlockStoredRetained(base, tag="BlockStored"):  # type: ignore[misc,call-arg]
         priorities: list[int] | None = None
+        priority_update: bool = False
 
     return BlockStoredRetained
+
+
+def _carry(stored: Any, priorities: list[int], update: bool = False) -> bool:
+    """Put ``priorities`` on a ``BlockStored`` of as many blocks (ours: it has the fields)."""
+    if not hasattr(stored, "priorities") or len(stored.block_hashes) != len(priorities):
+        return False
+    stored.priorities = priorities
+    stored.priority_update = update
+    return True
+
+
+def publish_update(pool: Any, request: Any, priorities: list[int], block_size: int, group: int) -> None:
+    """``request`` raised the priority of cached blocks it reuses (its prefix hit, ``priorities``
+    in order from the first block): re-report them with vLLM's own ``emit_cached_block_events``,
+    marked ``priority_update`` (kvflow's bridge turns it into ``updated`` events)."""
+    events = getattr(pool, "kv_event_queue", None)
+    if not getattr(pool, "enable_kv_cache_events", False) or events is None:
+        return
+    before = len(events)
+    pool.emit_cached_block_events(request, len(priorities), block_size, group)
+    if len(events) > before and not _carry(events[-1], priorities, update=True):
+        del events[before:]  # not an event of ours to mark: sending it would read as copies
 
 
 #: The name ``BlockPool.__init__`` looks the queue class up by, in ``vllm.v1.core.block_pool``.
@@ -105,11 +136,9 @@ def patch() -> None:
         before = len(events) if events is not None else 0
         out = cache_full_blocks(self, request, blocks, num_cached_blocks, num_full_blocks, block_size,
                                 *args, **kwargs)
-        priorities = claim_blocks(request, blocks, num_cached_blocks, num_full_blocks, block_size)
+        priorities, _ = claim_blocks(request, blocks, num_cached_blocks, num_full_blocks, block_size)
         if priorities and events is not None and len(events) > before:
-            stored = events[-1]  # the one BlockStored of these blocks (vLLM appends it last)
-            if hasattr(stored, "priorities") and len(stored.block_hashes) == len(priorities):
-                stored.priorities = priorities
+            _carry(events[-1], priorities)  # the one BlockStored of these blocks (vLLM appends it last)
         return out
 
     @functools.wraps(allocate_slots)
@@ -119,7 +148,9 @@ def patch() -> None:
         if out is not None and hits is not None:
             for group, blocks in enumerate(hits.blocks):
                 size = self.kv_cache_config.kv_cache_groups[group].kv_cache_spec.block_size
-                claim_blocks(request, blocks, 0, len(blocks), size)
+                priorities, changed = claim_blocks(request, blocks, 0, len(blocks), size)
+                if changed:
+                    publish_update(self.block_pool, request, priorities, size, group)
         return out
 
     block_pool.BlockPool.cache_full_blocks = cache_full_blocks_retained  # type: ignore[method-assign]

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from eventbus.hashing import DEFAULT_BLOCK_SIZE
-from eventbus.protocol import NodeId
+from eventbus.protocol import ENGINE_KVFLOW, NodeId
 from routing_api.scoring import NodeView, PrefixMatch
 
 #: The block size when no node reports one.
@@ -129,7 +129,8 @@ def fleet_view(rows: Sequence[Row], model: str | None, block_size: int | None = 
         status = r["status"] if r["url"] else "unreachable"
         views.append(NodeView(r["node_id"], r["url"] or "", status, r["capacity_gpu"], r["active_blocks"],
                               r["active_requests"], r["queued_requests"], excluded=excluded,
-                              stats_ts=float(r.get("stats_ts") or 0.0), block_size=own))
+                              stats_ts=float(r.get("stats_ts") or 0.0), block_size=own,
+                              engine=str(r.get("engine") or ENGINE_KVFLOW)))
         if status == "live" and not excluded:
             groups.setdefault((r["model"], own), []).append(r["node_id"])
     return FleetView(size, tuple(views), gone, {k: tuple(v) for k, v in groups.items()},

@@ -1,7 +1,8 @@
 """Proxying a routed request to the chosen node: in-flight accounting, streaming, upstream errors.
 
 Endpoint-neutral: ``POST /v1/completions`` and ``POST /v1/chat/completions`` use it; the body is
-forwarded as the client sent it (byte for byte, unless a tenant's key sets its ``cache_salt``).
+forwarded as the client sent it (byte for byte, unless a tenant's key sets its ``cache_salt`` or the
+router's retention goes in, in the words of the candidate's engine: ``routing_api.engine_words``).
 
 A node whose connection is refused or times out (``httpx.ConnectError``, ``ConnectTimeout``:
 nothing was sent) becomes suspect, and the request goes to the next candidate in the decision's
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -33,6 +35,19 @@ NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
 Observe = Callable[[str, "dict[str, Any] | None"], None]
 #: ``forward``'s hook on a whole 200 JSON answer: it may add to the body before it is sent back.
 Amend = Callable[["dict[str, Any]"], None]
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """What goes to one candidate: the body, more headers for the answer, and ``amend``."""
+
+    content: bytes
+    headers: dict[str, str] = field(default_factory=dict)
+    amend: Amend | None = None
+
+
+#: ``forward``'s body for each candidate it tries (candidates of other engines take other words).
+Prepare = Callable[[Candidate], Outgoing]
 #: How much of a stream's end is kept to find its usage chunk.
 TAIL_BYTES = 8192
 
@@ -50,10 +65,9 @@ def stream_usage(tail: bytes) -> dict[str, Any] | None:
     return None
 
 
-async def forward(state: RouterState, routed: Routed, path: str, content: bytes, stream: bool, *,
-                  observe: Observe | None = None, amend: Amend | None = None,
-                  headers: dict[str, str] | None = None) -> Response:
-    """Send ``content`` to ``path`` on the routed node and answer with the node's response.
+async def forward(state: RouterState, routed: Routed, path: str, prepare: Prepare, stream: bool, *,
+                  observe: Observe | None = None) -> Response:
+    """Send ``prepare(candidate)``'s body to ``path`` on the routed node and answer with the node's response.
 
     The response names the node that answered (``x-kvflow-node``) and its cached prompt tokens
     (``x-kvflow-matched-tokens``). A node's 2xx and 4xx answers pass through; with ``stream`` a
@@ -63,11 +77,10 @@ async def forward(state: RouterState, routed: Routed, path: str, content: bytes,
         state: the process's state (the HTTP client, the in-flight counts).
         routed: the decision (:func:`routing_api.decisions.route`).
         path: the node's endpoint, e.g. ``/v1/completions``.
-        content: the JSON body to send.
+        prepare: the JSON body for a candidate, the answer's extra headers, and its ``amend``
+            (called with a whole 200 JSON answer's body, which it may add to, e.g. ``kvflow``).
         stream: whether the client asked for server-sent events.
         observe: called once a 200 has been sent back whole or streamed, with the node and the usage.
-        amend: called with a whole 200 JSON answer's body, which it may add to (e.g. ``kvflow``).
-        headers: more headers for the answer.
 
     Returns:
         The node's answer; 503 when no node was chosen; 502 (``upstream_error``) when the node
@@ -81,7 +94,8 @@ async def forward(state: RouterState, routed: Routed, path: str, content: bytes,
     for cand in ranked:
         done = state.start_proxy(cand.node_id, cand.prompt_blocks, routed_work(cand),  # in the node's own blocks
                                  cand.block_size)
-        request = state.client.build_request("POST", f"{cand.url.rstrip('/')}{path}", content=content,
+        out = prepare(cand)
+        request = state.client.build_request("POST", f"{cand.url.rstrip('/')}{path}", content=out.content,
                                            headers={"content-type": "application/json"})
         try:
             upstream = await state.client.send(request, stream=True)
@@ -97,7 +111,7 @@ async def forward(state: RouterState, routed: Routed, path: str, content: bytes,
             return _failed(cand.node_id, exc)
         if refused:
             log.warning("answered by %s after %d refused connection(s)", cand.node_id, len(refused))
-        return await _answer(upstream, cand, routed, done, stream, observe, amend, headers or {})
+        return await _answer(upstream, cand, routed, done, stream, observe, out.amend, out.headers)
     first, error = refused[0]
     others = "; ".join(f"{n}: {type(e).__name__}" for n, e in refused[1:])
     message = f"upstream node {first} failed: {type(error).__name__}: {error}"

@@ -31,7 +31,7 @@ T = TypeVar("T")
 # in the transaction that wrote the row's load; the index of its primary key finds it).
 NODES = """
 SELECT node_id, instance_id, status, url, model, block_size, capacity_gpu, capacity_host, used_gpu, used_host,
-       active_requests, queued_requests, active_blocks, last_event_id, last_seen, counters,
+       active_requests, queued_requests, active_blocks, last_event_id, last_seen, counters, engine,
        extract(epoch FROM now() - last_seen) AS silent_s,
        extract(epoch FROM (SELECT max(s.ts) FROM node_stats_samples s WHERE s.node_id = n.node_id)) AS stats_ts
 FROM nodes n ORDER BY node_id

@@ -3,14 +3,16 @@
 What a request retains comes from, in order: its own ``kv_retention``; its prompt-caching marks
 (``openai_api.prompt_cache``, placed by the router with the model's chat template, as the node
 places them); the first fleet rule that matches it (``routing_api.retention``). Then its tenant's
-limits apply. The body goes to the node unchanged unless a rule gave the retention or a limit
-lowered it: then it carries the result as ``kv_retention`` (which a node takes over any marks).
+limits apply. The body goes to a kvflow node unchanged unless a rule gave the retention or a limit
+lowered it: then it carries the result as ``kv_retention`` (which a node takes over any marks). An
+engine behind a bridge gets the retention in its own words (``routing_api.engine_words``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from eventbus.protocol import ENGINE_KVFLOW
 from openai_api.chat import ChatTemplate
 from openai_api.prompt_cache import MarkedChat, plan_chat, retention_body, uses_marks
 from openai_api.schemas import _Proxied
@@ -50,8 +52,9 @@ def retain(state: RouterState, routed: Routed, req: _Proxied, chat: MarkedChat |
         if rule is None:
             return None
         r = Retention("rule", rule_retention(rule, chat, template, encode, tokens, bs), rule=rule.name)
-    if r.source != "rule" and not policy.limits_anything:
-        return None
+    if r.source != "rule" and not policy.limits_anything and \
+            all(c.engine == ENGINE_KVFLOW for c in routed.decision.ranked()):
+        return None  # kvflow's nodes make the same retention of the body themselves
     limit = policy.limit_for(tenant)
     cap_priority(r, limit, tenant)
     chosen = routed.decision.chosen

@@ -96,6 +96,8 @@ class NodeView:
     block_size: int = 0
     #: the prefill work this router sent the node lately: its decayed uncached blocks (:class:`RoutedWork`)
     routed_work: float = 0.0
+    #: what serves the node (``NodeStats.engine``): the words its requests carry retention in
+    engine: str = "kvflow"
 
 
 @dataclass
@@ -123,6 +125,8 @@ class Candidate:
     prompt_blocks: int = 0
     #: the prefill work routed to it lately, in the decision's blocks (``NodeView.routed_work``)
     work: float = 0.0
+    #: what serves the node (``NodeView.engine``)
+    engine: str = "kvflow"
 
     @property
     def matched_blocks(self) -> int:
@@ -336,7 +340,7 @@ def decide(total: int, nodes: Sequence[NodeView], matches: Mapping[NodeId, Prefi
         b = n.block_size or block_size
         blocks = total if b == block_size else tokens // b if tokens is not None and b > 0 else 0
         c = Candidate(n.node_id, n.url, n.status, eligible=n.status in ("live", "resyncing") and not n.excluded,
-                      block_size=b, prompt_blocks=blocks)
+                      block_size=b, prompt_blocks=blocks, engine=n.engine)
         if not c.eligible:  # a gone node is gone, whatever else it is
             c.reason = f"{n.status}: never chosen" if n.status == "gone" or not n.excluded else n.excluded
             cands.append(c)

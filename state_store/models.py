@@ -51,6 +51,7 @@ class Node(Base):
     resync_requested_at: Mapped[datetime | None] = mapped_column(TZ)
     resync_attempts: Mapped[int] = mapped_column(Integer, server_default=text("0"))
     stopped_at: Mapped[datetime | None] = mapped_column(TZ)
+    engine: Mapped[str] = mapped_column(Text, server_default=text("'kvflow'"))
     updated_at: Mapped[datetime] = mapped_column(TZ, server_default=text("now()"))
 
 

@@ -117,16 +117,16 @@ FROM node_blocks WHERE node_id = ANY($1::text[])
 STATS_UPSERT = """
 INSERT INTO nodes AS n (node_id, instance_id, url, model, block_size, capacity_gpu, capacity_host, used_gpu,
                         used_host, active_requests, queued_requests, reported_event_id, counters, last_seen,
-                        last_stats_at, status, active_blocks)
+                        last_stats_at, status, active_blocks, engine)
 SELECT u.node_id, u.instance_id, u.url, u.model, u.block_size, u.cap_gpu, u.cap_host, u.used_gpu, u.used_host,
        u.active, u.queued, u.last_event_id, u.counters::jsonb, now(), now(),
-       CASE WHEN u.stopping THEN 'gone' ELSE 'live' END, u.active_blocks
+       CASE WHEN u.stopping THEN 'gone' ELSE 'live' END, u.active_blocks, u.engine
 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int[], $6::int[], $7::int[], $8::int[], $9::int[],
-            $10::int[], $11::int[], $12::bigint[], $13::text[], $14::int[], $15::boolean[])
+            $10::int[], $11::int[], $12::bigint[], $13::text[], $14::int[], $15::boolean[], $16::text[])
      AS u(node_id, instance_id, url, model, block_size, cap_gpu, cap_host, used_gpu, used_host, active, queued,
-          last_event_id, counters, active_blocks, stopping)
+          last_event_id, counters, active_blocks, stopping, engine)
 ON CONFLICT (node_id) DO UPDATE SET
-  url = EXCLUDED.url, model = EXCLUDED.model, block_size = EXCLUDED.block_size,
+  url = EXCLUDED.url, model = EXCLUDED.model, block_size = EXCLUDED.block_size, engine = EXCLUDED.engine,
   capacity_gpu = EXCLUDED.capacity_gpu, capacity_host = EXCLUDED.capacity_host,
   used_gpu = EXCLUDED.used_gpu, used_host = EXCLUDED.used_host,
   active_requests = EXCLUDED.active_requests, queued_requests = EXCLUDED.queued_requests,

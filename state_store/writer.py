@@ -208,7 +208,7 @@ class Writer:
                 [s.capacity[1] for s in rows], [s.used[0] for s in rows], [s.used[1] for s in rows],
                 [s.active_requests for s in rows], [s.queued_requests for s in rows],
                 [s.last_event_id for s in rows], [_json(s.counters) for s in rows], [s.active_blocks for s in rows],
-                [s.status == "stopping" for s in rows])
+                [s.status == "stopping" for s in rows], [s.engine for s in rows])
             await conn.execute(
                 sql.STATS_SAMPLES, [s.node_id for s in stats], [s.instance_id for s in stats],
                 [datetime.fromtimestamp(s.ts, tz=UTC) for s in stats], [s.capacity[0] for s in stats],

@@ -5,7 +5,8 @@ The router reads only what routing needs (``openai_api.schemas.ProxiedCompletion
 the model, the prompt or messages, ``cache_salt``, ``kv_retention``, ``lora_id``, ``stream``) and
 forwards the body as the client sent it, so every parameter a node accepts works through it, and
 a node's 400 for one it cannot honour comes back as it is. A tenant's key sets ``cache_salt`` (its
-KV never mixes with another's): then the body is re-encoded with it.
+KV never mixes with another's), and the router's retention goes in the words of the node's engine
+(``routing_api.engine_words``): then the body is re-encoded.
 
 A chat is routed by its prompt as the node will compute it: the messages rendered through the
 model's chat template (``routing_api.templates``), tokenized without special tokens (the template
@@ -20,15 +21,18 @@ from typing import Any, Protocol
 
 from fastapi import APIRouter, HTTPException, Request, Response
 
+from eventbus.protocol import ENGINE_KVFLOW
 from openai_api.chat import ChatTemplate, ChatTemplateError, normalize_messages
 from openai_api.prompt_cache import PromptCacheError
 from openai_api.schemas import ProxiedChat, ProxiedCompletion, _Proxied
 from routing_api.config import ApiKey
 from routing_api.decisions import Routed, fleet_rows, route
 from routing_api.deps import State, scope
+from routing_api.engine_words import in_words
 from routing_api.errors import error_response
-from routing_api.proxy import forward
+from routing_api.proxy import Outgoing, forward
 from routing_api.retained import Retention, retain
+from routing_api.scoring import Candidate
 from routing_api.state import RouterState
 
 router = APIRouter()
@@ -39,18 +43,35 @@ def tenant_of(key: ApiKey | None) -> str | None:
     return key.tenant if key is not None and key.tenant else None
 
 
-async def _content(request: Request, tenant: str | None, sent: Retention | None) -> bytes:
-    """The body to forward: as the client sent it, byte for byte, unless the router sets the
-    tenant's ``cache_salt`` or the ``kv_retention`` it decided (``sent.in_body``)."""
-    raw = await request.body()
-    if tenant is None and (sent is None or not sent.in_body):
-        return raw
-    payload = json.loads(raw)
-    if tenant is not None:
-        payload["cache_salt"] = tenant
-    if sent is not None and sent.in_body:
-        payload["kv_retention"] = sent.body
-    return json.dumps(payload).encode()
+def _outgoing(raw: bytes, tenant: str | None, sent: Retention | None, engine: str, said: dict[str, Any],
+              headers: dict[str, str]) -> Outgoing:
+    """The body for a node of ``engine``: as the client sent it, byte for byte, unless the router
+    sets the tenant's ``cache_salt`` or puts the retention it decided in the engine's words
+    (``routing_api.engine_words``); the answer's headers and ``kvflow.router`` say what it got."""
+    content = raw
+    said = dict(said)
+    headers = dict(headers)
+    if tenant is not None or sent is not None or engine != ENGINE_KVFLOW:
+        payload = json.loads(raw)
+        changed = tenant is not None
+        if tenant is not None:
+            payload["cache_salt"] = tenant
+        words = in_words(engine, sent.body if sent is not None else None, payload,
+                         in_body=sent is not None and sent.in_body)
+        changed = words.apply(payload) or changed
+        if changed:
+            content = json.dumps(payload).encode()
+        if sent is not None:
+            said["retention"] = {**sent.to_json(), "engine": engine, "honoured": words.honoured,
+                                 **({"notes": list(words.notes)} if words.notes else {})}
+            headers["x-kvflow-retention-engine"] = f"{engine}; {words.honoured}"
+
+    def amend(body: dict[str, Any]) -> None:
+        kv = body.setdefault("kvflow", {})
+        if isinstance(kv, dict):
+            kv["router"] = said
+
+    return Outgoing(content, headers, amend if said else None)
 
 
 @router.post("/v1/completions")
@@ -63,8 +84,7 @@ async def completions(req: ProxiedCompletion, request: Request, state: State,
     keyed = await key_node(state, tenant, model, req.prompt_cache_key)
     routed = await route(state, tokens, text, req.lora_id, tenant or req.cache_salt, req.model, key_node=keyed)
     sent = retain(state, routed, req, None, None, tenant, model)
-    content = await _content(request, tenant, sent)
-    return await _forward(state, routed, "/v1/completions", content, req, tenant, model, sent)
+    return await _forward(state, routed, "/v1/completions", await request.body(), req, tenant, model, sent)
 
 
 class Chat(Protocol):
@@ -113,8 +133,7 @@ async def chat_completions(req: ProxiedChat, request: Request, state: State,
         sent = retain(state, routed, req, req, template, tenant, model)
     except PromptCacheError as exc:
         return error_response(400, str(exc), param=exc.param)
-    content = await _content(request, tenant, sent)
-    return await _forward(state, routed, "/v1/chat/completions", content, req, tenant, model, sent)
+    return await _forward(state, routed, "/v1/chat/completions", await request.body(), req, tenant, model, sent)
 
 
 async def key_node(state: RouterState, tenant: str | None, model: str | None, key: str | None) -> str | None:
@@ -122,7 +141,7 @@ async def key_node(state: RouterState, tenant: str | None, model: str | None, ke
     return None if key is None or model is None else await state.cache_keys.lookup(tenant, model, key)
 
 
-async def _forward(state: RouterState, routed: Routed, path: str, content: bytes, req: _Proxied,
+async def _forward(state: RouterState, routed: Routed, path: str, raw: bytes, req: _Proxied,
                    tenant: str | None, model: str | None, sent: Retention | None) -> Response:
     """Proxy the body; note the key's node and usage; say what the router did to the retention."""
     key = req.prompt_cache_key
@@ -131,23 +150,22 @@ async def _forward(state: RouterState, routed: Routed, path: str, content: bytes
         if key is not None and model is not None:
             state.cache_keys.record(tenant, model, key, node, usage)
 
-    said = {"retention": sent.to_json()} if sent is not None else {}
+    said: dict[str, Any] = {}
     if "prompt_cache_key" in routed.body:
         said["prompt_cache_key"] = routed.body["prompt_cache_key"]
-
-    def amend(body: dict[str, Any]) -> None:
-        kv = body.setdefault("kvflow", {})
-        if isinstance(kv, dict):
-            kv["router"] = said
-
     headers = {}
     if sent is not None:
         headers["x-kvflow-retention"] = sent.source + (f":{sent.rule}" if sent.rule else "")
         if sent.lowered:
             headers["x-kvflow-retention-lowered"] = "; ".join(sent.lowered)[:1000]
-    return await forward(state, routed, path, content, req.stream,
-                         observe=observe if key is not None else None, amend=amend if said else None,
-                         headers=headers)
+    made: dict[str, Outgoing] = {}
+
+    def prepare(cand: Candidate) -> Outgoing:  # once per engine among the candidates tried
+        if cand.engine not in made:
+            made[cand.engine] = _outgoing(raw, tenant, sent, cand.engine, said, headers)
+        return made[cand.engine]
+
+    return await forward(state, routed, path, prepare, req.stream, observe=observe if key is not None else None)
 
 
 def _only_model(rows: list[Any]) -> str:

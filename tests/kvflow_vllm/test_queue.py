@@ -209,16 +209,65 @@ def test_stored_events_carry_each_blocks_priority_for_vllms_decoder_and_kvflows_
     run(mgr, request(vllm_kv, "kept", list(range(900, 900 + 3 * BS)) + [1], keep))
     run(mgr, request(vllm_kv, "plain", list(range(700, 700 + 2 * BS)) + [1]))
     kept, plain = [e for e in mgr.take_events() if isinstance(e, BlockStored)]
-    assert kept.priorities == [100, 60, 60] and plain.priorities is None
-    stock = msgspec.msgpack.encode(msgspec.structs.replace(plain))
-    assert b"priorities" not in stock  # without retention: the bytes of a plain BlockStored
+    # every stored event says its priorities (35: no claim), so that a bridge sees the plugin
+    assert kept.priorities == [100, 60, 60] and plain.priorities == [35, 35]
+    assert not kept.priority_update and b"priority_update" not in msgspec.msgpack.encode(kept)  # a default: left out
     payload = msgspec.msgpack.encode(KVEventBatch(ts=1.0, events=[kept, plain]))
     theirs = msgspec.msgpack.decode(payload, type=KVEventBatch)  # vLLM's own decoder
     assert [type(e).__name__ for e in theirs.events] == ["BlockStored", "BlockStored"]
     assert theirs.events[0].block_hashes == kept.block_hashes
     ours = decode_payload(0, payload)  # kvflow's bridge
-    assert [e.priorities for e in ours.events] == [[100, 60, 60], None]
+    assert [e.priorities for e in ours.events] == [[100, 60, 60], [35, 35]]
     assert not any(k.startswith("field:BlockStored.priorities") for k in ours.skipped)
+
+
+def test_a_request_raising_the_priority_of_blocks_it_reuses_publishes_the_change_and_the_bridge_updates(
+        vllm_kv, plugin):
+    """A prefix stored at 35, then reused by a request that retains it at 100: the reuse is
+    re-reported (vLLM's own ``emit_cached_block_events``) with ``priority_update``; vLLM's decoder
+    reads a plain ``BlockStored``, kvflow's bridge turns it into ``updated`` (100), not into copies:
+    one removal of each block still empties kvflow's view."""
+    import msgspec
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
+
+    from bridge.wire import decode_payload
+    from eventbus.protocol import Updated
+    from tests.bridge.test_translate import bridge, instances
+
+    mgr = manager(9)
+    prefix = list(range(300, 300 + 3 * BS))
+    run(mgr, request(vllm_kv, "first", prefix + [1]))
+    run(mgr, request(vllm_kv, "again", prefix + [2]))  # no retention: nothing to publish
+    run(mgr, request(vllm_kv, "keep", prefix + [3], {"token_ranges": [{"start": 0, "end": None, "priority": 100}]}))
+    run(mgr, request(vllm_kv, "lower", prefix + [4], {"token_ranges": [{"start": 0, "end": None, "priority": 10}]}))
+    events = mgr.take_events()
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    assert [(e.priorities, e.priority_update) for e in stored] == [([35, 35, 35], False), ([100, 100, 100], True)]
+    assert stored[1].block_hashes == stored[0].block_hashes and stored[1].parent_block_hash is None
+    for i in range(5, 20):  # a flood evicts every block of the prefix
+        run(mgr, request(vllm_kv, f"f{i}", list(range(10_000 * i, 10_000 * i + 7 * BS)) + [1]))
+    events += mgr.take_events()
+    gone = {h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes}
+    assert set(stored[0].block_hashes) <= gone
+    payload = msgspec.msgpack.encode(KVEventBatch(ts=1.0, events=events))
+    theirs = msgspec.msgpack.decode(payload, type=KVEventBatch)  # vLLM's own decoder reads every event
+    assert [type(e).__name__ for e in theirs.events] == [
+        "BlockStored" if isinstance(e, BlockStored) else type(e).__name__ for e in events]
+
+    b, sink, _ = bridge()
+    for seq, event in enumerate(stored):  # the store, then the update, each in a batch of its own
+        b.on_batch(decode_payload(seq, msgspec.msgpack.encode(KVEventBatch(ts=1.0 + seq, events=[event]))))
+        b.pump()
+    (state,) = instances(sink).values()
+    assert sorted(blk.priority for blk in state.blocks.values()) == [100, 100, 100]
+    updates = [e.data for bt in sink.batches for e in bt.events if isinstance(e.data, Updated)]
+    assert [(u.priority.old, u.priority.new) for u in updates] == [(35, 100)] * 3
+    assert b.engine_name == "vllm+kvflow" and b.stats.duplicate_blocks == 0
+    prefix = set(stored[0].block_hashes)
+    prefix_gone = [e for e in events if isinstance(e, BlockRemoved) and set(e.block_hashes) <= prefix]
+    b.on_batch(decode_payload(2, msgspec.msgpack.encode(KVEventBatch(ts=3.0, events=prefix_gone))))
+    b.pump()
+    assert instances(sink)[b.instance_id].blocks == {}
 
 
 def test_kvflow_registers_the_plugin_on_vllms_entry_point_group():

@@ -12,7 +12,7 @@ import pytest
 from openai_api.tokenizers import load_tokenizer
 from routing_api.config import RouterSettings
 from routing_api.decisions import Routed
-from routing_api.proxy import forward
+from routing_api.proxy import Outgoing, forward
 from routing_api.queries import StateReader
 from routing_api.schemas import decision_body
 from routing_api.scoring import NodeView, PrefixMatch, RoutingWeights, decide
@@ -44,7 +44,7 @@ def run(handler, stream: bool = False) -> tuple[httpx.Response, RouterState, lis
     s = state(record)
 
     async def go():
-        response = await forward(s, routed(), "/v1/completions", b'{"prompt": "x"}', stream)
+        response = await forward(s, routed(), "/v1/completions", lambda _c: Outgoing(b'{"prompt": "x"}'), stream)
         body = b"".join([chunk async for chunk in response.body_iterator]) if stream else response.body
         return httpx.Response(response.status_code, headers=response.headers, content=body)
 
@@ -128,8 +128,8 @@ def _hooked(handler, stream: bool, amend=None) -> tuple[httpx.Response, list]:
     s = state(handler)
 
     async def go():
-        response = await forward(s, routed(), "/v1/chat/completions", b"{}", stream,
-                                 observe=lambda node, usage: seen.append((node, usage)), amend=amend)
+        response = await forward(s, routed(), "/v1/chat/completions", lambda _c: Outgoing(b"{}", amend=amend), stream,
+                                 observe=lambda node, usage: seen.append((node, usage)))
         body = b"".join([chunk async for chunk in response.body_iterator]) if stream else response.body
         return httpx.Response(response.status_code, headers=response.headers, content=body)
 

@@ -16,7 +16,7 @@ from openai_api.tokenizers import load_tokenizer
 from routing_api.config import RouterSettings
 from routing_api.decisions import Routed
 from routing_api.prefill import PrefillQueue, TtftTail, guard, predicted_ttft
-from routing_api.proxy import forward
+from routing_api.proxy import Outgoing, forward
 from routing_api.queries import StateReader
 from routing_api.schemas import decision_body
 from routing_api.scoring import DEFAULT_WEIGHTS, NodeView, PrefixMatch, RoutingWeights, decide
@@ -162,7 +162,7 @@ def test_the_proxy_queues_a_prefill_until_its_first_chunk_and_forgets_a_refused_
     s = _state(handler)
 
     async def go():
-        response = await forward(s, routed, "/v1/completions", b"{}", True)
+        response = await forward(s, routed, "/v1/completions", lambda _c: Outgoing(b"{}"), True)
         return [chunk async for chunk in response.body_iterator]
 
     asyncio.run(go())

@@ -38,7 +38,7 @@ def _objects(url: str) -> tuple[set[str], set[str]]:
 def test_upgrade_downgrade_upgrade(database_url):
     upgrade("head", url=database_url)
     assert _objects(database_url) == (TABLES, VIEWS)
-    assert asyncio.run(current(url=database_url)) == "0005"
+    assert asyncio.run(current(url=database_url)) == "0006"
 
     downgrade("base", url=database_url)
     assert _objects(database_url) == (set(), set())
@@ -64,6 +64,17 @@ def test_0004_adds_and_drops_the_nodes_resync_and_goodbye_columns(database_url):
     downgrade("0003", url=database_url)
     assert not columns() & {"resync_attempts", "stopped_at"}
     assert asyncio.run(current(url=database_url)) == "0003"
+
+
+def test_0006_says_what_engine_serves_each_node_kvflow_for_existing_rows(database_url):
+    upgrade("0005", url=database_url)
+    asyncio.run(_fetch(database_url, "INSERT INTO nodes (node_id, instance_id) VALUES ('n', 'i') RETURNING 1"))
+    upgrade("head", url=database_url)
+    assert [r["engine"] for r in asyncio.run(_fetch(database_url, "SELECT engine FROM nodes"))] == ["kvflow"]
+    downgrade("0005", url=database_url)
+    rows = asyncio.run(_fetch(database_url, "SELECT column_name FROM information_schema.columns "
+                                            "WHERE table_name = 'nodes' AND column_name = 'engine'"))
+    assert rows == []
 
 
 def test_block_events_is_partitioned_by_day_and_late_partitions_adopt_default_rows(migrated_database_url):
