@@ -132,5 +132,5 @@ down: $(STAMP) ## Stop the local stack
 status: $(STAMP) ## What runs where
 	$(BIN)/kvflow stack status
 
-clean: ## Remove the venv and the local stack's state (stop the stack first)
+clean: ## Remove the venv and the local stack's state (stop the stack first; ~/.cache/kvflow stays)
 	rm -rf $(VENV) .kvflow .pytest_cache .mypy_cache .ruff_cache .hypothesis
