@@ -45,9 +45,15 @@ from eventbus.protocol import DEFAULT_PRIORITY, NodeId
 
 @dataclass(frozen=True)
 class RoutingWeights:
-    """Every weight of the decision (``KVFLOW_ROUTER_…`` in ``routing_api.config``)."""
+    """Every weight of the decision (``KVFLOW_ROUTER_…`` in ``routing_api.config``).
 
-    overlap_weight: float = 1.0
+    The defaults are the policy ``kvflow sim`` measures as kvflow's (``kvflow.sim.routing``): what
+    a router runs with no settings is what the docs' tables report (docs/router.md, "Which data
+    chose each default"). A setting away from them is an operator's departure from that policy.
+    """
+
+    #: a cached block is worth 24 blocks of load: the cost follows the cache, the bounds keep the balance
+    overlap_weight: float = 24.0
     host_credit: float = 0.75
     low_priority_credit: float = 0.9
     queued_weight_blocks: float = 8.0
@@ -60,14 +66,14 @@ class RoutingWeights:
     load_bound: float = 0.75
     #: Bounded work (with ``load_bound`` on): a node whose prefill work routed lately (:class:`RoutedWork`)
     #: exceeds (1 + this) × the fleet's mean, the request counted, is not eligible; 0: off.
-    work_bound: float = 0.0
+    work_bound: float = 0.25
     #: The time constant of that work's decay, in seconds.
     work_tau_s: float = 60.0
     #: The tail guard (:mod:`routing_api.prefill`): a request whose predicted TTFT on the cost's
     #: choice, queued, is above this quantile of the recent choices' goes where it starts soonest,
     #: among nodes whose cached share of the prompt is within ``ttft_tolerance`` of the choice's
     #: and whose work lately is at most ``ttft_work_slack`` × its; 0: off.
-    ttft_quantile: float = 0.0
+    ttft_quantile: float = 0.9
     ttft_tolerance: float = 0.35
     ttft_work_slack: float = 1.1
 

@@ -256,6 +256,15 @@ def applied_through(url: str, node: CoreNode) -> bool:
             and row["last_event_id"] == node.core.last_event_id and row["status"] == "live")
 
 
+def heartbeats_idle(url: str, *node_ids: str) -> bool:
+    """Every one of the nodes' latest heartbeat in PostgreSQL says it runs and queues nothing (a
+    decision then weighs no load left over from a request that has finished)."""
+    rows = fetch(url, "SELECT active_blocks, active_requests, queued_requests FROM nodes WHERE node_id = ANY($1)",
+                 list(node_ids))
+    return len(rows) == len(node_ids) and not any(
+        r["active_blocks"] or r["active_requests"] or r["queued_requests"] for r in rows)
+
+
 def applied_through_id(url: str, node_id: str, min_blocks: int = 0) -> bool:
     """The node is live in PostgreSQL, has applied what its heartbeat says it emitted, and holds
     at least ``min_blocks`` blocks."""

@@ -39,7 +39,7 @@ Routing policies (:data:`ROUTING`):
   ``overlap × prefill blocks + load blocks`` with kvflow's credits) with the load bound and the
   tail guard *off*: the router's decisions before bounded loads;
 * ``kv_aware_load``: kvflow's router, :func:`routing_api.scoring.decide` exactly (bounded loads on),
-  with the weights given (default: the router's; ``kvflow sim``: :data:`kvflow.sim.routing.SIM_WEIGHTS`)
+  with the weights given (default: the router's, which ``kvflow sim`` runs: :data:`kvflow.sim.routing.SIM_WEIGHTS`)
   over the nodes' true prefixes and the loads the router knows, with the prefill work it routed to
   each node kept and laid over the views as the router does, then the tail guard
   (:func:`routing_api.prefill.guard`, on when the weights' ``ttft_quantile`` is) over the prefill

@@ -9,7 +9,8 @@ prefill tokens over the mean, and the time to first token (p50 / p99) of the que
 each request in hand — counted by the router — until its last token at ``DECODE_S_PER_TOKEN``.
 
 kvflow's policy (``kv_aware_load``) is :func:`routing_api.scoring.decide` with the router's default
-load bound and :data:`SIM_WEIGHTS`, then the tail guard (:func:`routing_api.prefill.guard`). The
+weights (:data:`SIM_WEIGHTS` is :data:`~routing_api.scoring.DEFAULT_WEIGHTS`), then the tail guard
+(:func:`routing_api.prefill.guard`). The
 runs are independent: they are spread over processes
 (one task per trace and capacity).
 
@@ -42,14 +43,14 @@ PREFILL_S_PER_TOKEN = 1e-4
 #: Decode at 50 tokens/s (the families' own assumption: agentic steps are decoded at 50 tokens/s):
 #: how long a request stays in hand after its prefill, as the router counts it.
 DECODE_S_PER_TOKEN = 0.02
-#: The router's weights in the simulator: its defaults (the load bound on) with a cached block worth
-#: 24 blocks of load (KVFLOW_ROUTER_OVERLAP_WEIGHT=24): the cost follows the cache, the bound keeps
-#: the balance; the bound on prefill work routed lately (KVFLOW_ROUTER_WORK_BOUND=0.25,
-#: KVFLOW_ROUTER_WORK_TAU_S=60), chosen on the Mooncake trace, multi_turn, agentic and hot_prefixes;
-#: and the tail guard (KVFLOW_ROUTER_TTFT_QUANTILE=0.9, its tolerance 0.35 and work slack 1.1 the
-#: defaults), chosen on the Mooncake trace and every family (docs/router.md, "The tail guard").
-SIM_WEIGHTS = dataclasses.replace(DEFAULT_WEIGHTS, overlap_weight=24.0, work_bound=0.25, work_tau_s=60.0,
-                                  ttft_quantile=0.9)
+#: The router's weights in the simulator: the router's own defaults, so that what ``kvflow sim``
+#: reports as kvflow is what ``kvflow router`` runs with no settings (``tests/kvflow/test_sim_routing.py``
+#: holds them equal): a cached block worth 24 blocks of load (the cost follows the cache, the
+#: bound keeps the balance), the load bound 0.75, the bound on prefill work routed lately (0.25,
+#: τ 60 s), chosen on the Mooncake trace, multi_turn, agentic and hot_prefixes; and the tail guard
+#: (quantile 0.9, its tolerance 0.35 and work slack 1.1), chosen on the Mooncake trace and every
+#: family (docs/router.md, "Which data chose each default").
+SIM_WEIGHTS = DEFAULT_WEIGHTS
 POLICIES = ("pooled", *ROUTING)
 #: Where the goals are judged: every trace, every capacity.
 GOALS = {"kv_aware_vs_pooled_hit_rate_min": ">= 0.95", "kv_aware_max_over_mean_load_worst_capacity": "<= 1.15",

@@ -17,8 +17,8 @@ from fastapi.testclient import TestClient
 from eventbus.hashing import prompt_block_hashes
 from eventbus.protocol import to_sql
 from routing_api.app import create_app
-from routing_api.config import RouterSettings
 from state_store.config import plain_dsn
+from tests.routing_api.weights import settings
 
 pytestmark = pytest.mark.integration
 
@@ -57,7 +57,7 @@ def test_model_and_address_decide_who_may_serve_and_every_block_size_is_matched_
         migrated_database_url, reader_url):
     fill(migrated_database_url)
     # The cost alone (the load bound off): its ties go to the node id (with the bound, at random)
-    with TestClient(create_app(RouterSettings(nodes_cache_s=0.0, load_bound=0.0), database_url=reader_url)) as c:
+    with TestClient(create_app(settings(nodes_cache_s=0.0, load_bound=0.0), database_url=reader_url)) as c:
         llama = c.post("/v1/route", json={"token_ids": TOKENS, "model": "llama"}).json()
         why = {x["node_id"]: (x["eligible"], x["reason"]) for x in llama["candidates"]}
         assert why["qwen-a"] == (False, "serves qwen, not llama")
@@ -90,12 +90,12 @@ def test_model_and_address_decide_who_may_serve_and_every_block_size_is_matched_
 
 def test_a_block_size_override_makes_the_other_sizes_ineligible(migrated_database_url, reader_url):
     fill(migrated_database_url)
-    with TestClient(create_app(RouterSettings(nodes_cache_s=0.0, block_size=16), database_url=reader_url)) as c:
+    with TestClient(create_app(settings(nodes_cache_s=0.0, block_size=16), database_url=reader_url)) as c:
         r = c.post("/v1/route", json={"token_ids": TOKENS, "model": "llama"}).json()
         assert r["node_id"] == "llama-16" and r["matched_blocks"] == 8 and r["prompt_blocks"] == 8
         why = {x["node_id"]: (x["eligible"], x["reason"]) for x in r["candidates"]}
         assert why["llama-b"] == (False, "block size 32; this fleet's prompts are hashed in blocks of 16")
-    with TestClient(create_app(RouterSettings(nodes_cache_s=0.0, block_size=32), database_url=reader_url)) as c:
+    with TestClient(create_app(settings(nodes_cache_s=0.0, block_size=32), database_url=reader_url)) as c:
         r = c.post("/v1/route", json={"token_ids": TOKENS, "model": "llama"}).json()
         assert r["node_id"] == "llama-b" and r["matched_blocks"] == 3 and r["block_size"] == 32
         why = {x["node_id"]: (x["eligible"], x["reason"]) for x in r["candidates"]}
@@ -106,7 +106,7 @@ def test_a_block_size_override_makes_the_other_sizes_ineligible(migrated_databas
 
 def test_token_ids_outside_u32_are_refused_before_hashing(migrated_database_url, reader_url):
     fill(migrated_database_url)  # found by the fuzz test: a negative id used to reach the hasher (500)
-    with TestClient(create_app(RouterSettings(nodes_cache_s=0.0), database_url=reader_url)) as c:
+    with TestClient(create_app(settings(nodes_cache_s=0.0), database_url=reader_url)) as c:
         for bad in ([-1], [1 << 32]):
             r = c.post("/v1/route", json={"token_ids": bad})
             assert r.status_code == 422 and r.json()["error"]["message"].startswith("token_ids.0:"), r.text
@@ -144,7 +144,7 @@ def test_the_load_of_a_request_seen_finishing_is_taken_off_the_heartbeat_that_co
     asyncio.run(run())
     clock = [0.0]
     for account, expected in ((True, "node-a"), (False, "node-b")):
-        app = create_app(RouterSettings(nodes_cache_s=0.0, account_finished=account), database_url=reader_url)
+        app = create_app(settings(nodes_cache_s=0.0, account_finished=account), database_url=reader_url)
         with TestClient(app) as c:
             d = c.post("/v1/route", json={"token_ids": TOKENS}).json()
             assert d["node_id"] == "node-b", d["reason"]  # 4 blocks to prefill < 100 of load

@@ -9,8 +9,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from routing_api.app import create_app
-from routing_api.config import RouterSettings
 from tests.inference_node.test_node_kafka import start_node
+from tests.routing_api.weights import settings
 from tests.support import applied_through_id, fetch, materializer, wait_for
 
 pytestmark = pytest.mark.integration
@@ -28,7 +28,7 @@ def mixed(kafka_settings, migrated_database_url, reader_url, tmp_path):
     n32, url32 = start_node(kafka_settings, tmp_path, "node-32", num_blocks="256", block_size="32")
     wait_for(lambda: all(applied_through_id(migrated_database_url, n) for n in ("node-16", "node-32")), 60,
              what="both nodes in PostgreSQL")
-    router = TestClient(create_app(RouterSettings(nodes_cache_s=0.0), database_url=reader_url))
+    router = TestClient(create_app(settings(nodes_cache_s=0.0), database_url=reader_url))
     with router:
         yield {"router": router, "16": url16, "32": url32, "db": migrated_database_url}
     for p in (n16, n32, mat):

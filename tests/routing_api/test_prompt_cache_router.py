@@ -22,7 +22,7 @@ from routing_api.app import create_app
 from routing_api.config import RouterSettings
 from state_store.config import DatabaseSettings
 from tests.inference_node.test_node_kafka import start_node
-from tests.support import applied_through_id, fetch, materializer, own_topics, wait_for
+from tests.support import applied_through_id, fetch, heartbeats_idle, materializer, own_topics, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -114,7 +114,10 @@ def test_a_prompt_cache_key_keeps_its_requests_on_one_node_known_to_every_router
     assert (row["tenant"], row["model"], row["node_id"]) == ("", MODEL, nodes[0]) and row["prompt_tokens"] > 0
     (rate,) = fetch(db, "SELECT hit_rate FROM prompt_cache_key_hit_rates WHERE cache_key = 'doc-42'")
     assert rate["hit_rate"] == row["cached_tokens"] / row["prompt_tokens"]
-    # another router (a replica, or this one restarted) reads the key's node from PostgreSQL
+    # another router (a replica, or this one restarted) reads the key's node from PostgreSQL; it
+    # has not seen the key's requests finish, so it waits for heartbeats that say so (else the
+    # load bound weighs their leftover load)
+    wait_for(lambda: heartbeats_idle(db, "node-a", "node-b"), 15, what="both nodes idle in their heartbeats")
     with router_with(reader_url) as other:
         decision = other.post("/v1/route", json={"prompt": "Something new entirely. " * 8, "model": MODEL,
                                                  "prompt_cache_key": "doc-42"}).json()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.support import applied_through_id, fetch, wait_for
+from tests.support import applied_through_id, fetch, heartbeats_idle, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -19,6 +19,9 @@ def test_a_prompt_cached_on_node_a_is_routed_to_a(fleet):
         "kv_retention": {"token_ranges": [{"start": 0, "end": None, "priority": 100}]}})
     assert r.status_code == 200
     wait_for(lambda: applied_through_id(db, "node-a", min_blocks=12), 30, what="node-a's blocks in PostgreSQL")
+    # the request ran on node-a outside the router: until a heartbeat says it is done, node-a's
+    # load is that request's, and the load bound would send the next one to idle node-b
+    wait_for(lambda: heartbeats_idle(db, "node-a", "node-b"), 15, what="both nodes idle in their heartbeats")
 
     decision = router.post("/v1/route", json={"prompt": SYSTEM + "another question"}).json()
     assert decision["node_id"] == "node-a" and decision["url"] == fleet["a"]

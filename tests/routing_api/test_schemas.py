@@ -9,12 +9,13 @@ from decimal import Decimal
 
 from routing_api.errors import error_body, error_json, error_response
 from routing_api.schemas import candidate_json, decision_body, node_json
-from routing_api.scoring import Candidate, Decision, NodeView, PrefixMatch, RoutingWeights, decide
+from routing_api.scoring import Candidate, Decision, NodeView, PrefixMatch, decide
+from tests.routing_api.weights import weights
 
 
 def test_a_decision_is_formatted_with_its_choice_and_every_candidate():
     views = [NodeView("a", "http://a", "live", 1000, active_blocks=2), NodeView("b", "http://b", "stale", 1000)]
-    d = decide(3, views, {"a": PrefixMatch(gpu=1, host=1)}, RoutingWeights(), block_size=32, tokens=100)
+    d = decide(3, views, {"a": PrefixMatch(gpu=1, host=1)}, weights(), block_size=32, tokens=100)
     body = decision_body(d, prompt_tokens=100, prompt_blocks=3, block_size=32, elapsed_s=0.0012345)
     reason = "cost 3.25 = 1.25 blocks to prefill + 2 blocks of load; 2/3 prompt blocks cached (1 on host)"
     assert body == {
@@ -45,7 +46,7 @@ def test_in_a_fleet_of_two_block_sizes_the_top_level_blocks_are_the_chosen_nodes
     views = [NodeView("v16", "http://v", "live", 1000, block_size=16), NodeView("k32", "http://k", "live", 1000,
                                                                                    block_size=32)]
     matches = {"v16": PrefixMatch(gpu=3), "k32": PrefixMatch(gpu=1)}
-    d = decide(3, views, matches, RoutingWeights(), block_size=32, tokens=100)  # 6 blocks of 16, 3 of 32
+    d = decide(3, views, matches, weights(), block_size=32, tokens=100)  # 6 blocks of 16, 3 of 32
     body = decision_body(d, prompt_tokens=100, prompt_blocks=3, block_size=32, elapsed_s=0.0)
     assert {k: body[k] for k in ("node_id", "matched_blocks", "matched_tokens", "prompt_blocks", "block_size",
                                  "cost_block_size")} == {
@@ -61,7 +62,7 @@ def test_in_a_fleet_of_two_block_sizes_the_top_level_blocks_are_the_chosen_nodes
 
 def test_the_predicted_cached_tokens_are_all_but_the_last_when_every_token_is_matched():
     views = [NodeView("a", "http://a", "live", 1000)]
-    d = decide(2, views, {"a": PrefixMatch(gpu=2, host=0)}, RoutingWeights(), block_size=32, tokens=64)
+    d = decide(2, views, {"a": PrefixMatch(gpu=2, host=0)}, weights(), block_size=32, tokens=64)
     body = decision_body(d, prompt_tokens=64, prompt_blocks=2, block_size=32, elapsed_s=0.0)
     assert (body["matched_tokens"], body["cached_tokens"]) == (64, 63)  # the node computes the last one again
     body = decision_body(d, prompt_tokens=70, prompt_blocks=2, block_size=32, elapsed_s=0.0)

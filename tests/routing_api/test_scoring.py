@@ -23,8 +23,9 @@ from routing_api.scoring import (
 )
 from routing_api.scoring import decide as decide_matches
 from routing_api.state import Inflight
+from tests.routing_api.weights import weights
 
-W = RoutingWeights(load_bound=0.0)  # the cost alone, as before the bound: these decisions are today's
+W = weights(load_bound=0.0)  # the cost alone, as before the bound: these decisions are today's
 H = [101, 102, 103, 104, 105, 106, 107, 108]  # a prompt of 8 full blocks
 
 
@@ -74,7 +75,7 @@ def test_host_tier_blocks_earn_partial_credit():
     assert cand["b"].host_blocks == 4 and cand["b"].cached_credit == 3.0  # 4 x 0.75
     assert cand["a"].cached_credit == 3.0
     assert d.chosen.node_id == "a"  # equal cost: the tie goes to the lower load, then the id
-    assert prefix_match(H, {**gpu(H[0]), H[1]: (1, 35)}).credit(RoutingWeights(host_credit=0.5)) == 1.5
+    assert prefix_match(H, {**gpu(H[0]), H[1]: (1, 35)}).credit(weights(host_credit=0.5)) == 1.5
     assert prefix_match(H, {**gpu(H[0]), H[1]: (1, 35)}) == PrefixMatch(gpu=1, host=1, leaf_low=False)
 
 
@@ -112,12 +113,12 @@ def test_the_routers_own_inflight_count_adds_load():
 def test_ties_break_by_load_then_deterministically():
     d = decide(H, [node("b"), node("a")], {}, W)
     assert d.chosen.node_id == "a"
-    d = decide(H, [node("a", active_blocks=1), node("b")], {"b": {}}, RoutingWeights(overlap_weight=0))
+    d = decide(H, [node("a", active_blocks=1), node("b")], {"b": {}}, weights(overlap_weight=0))
     assert d.chosen.node_id == "b"
 
 
 def test_softmax_sampling_prefers_cheap_nodes_in_proportion():
-    w = RoutingWeights(temperature=2.0)
+    w = weights(temperature=2.0)
     rng = random.Random(5)
     picks = Counter(decide(H, [node("a"), node("b")], {"a": gpu(*H[:2])}, w, rng).chosen.node_id
                     for _ in range(4000))
@@ -177,8 +178,12 @@ def test_a_suspect_node_from_the_overlay_is_never_chosen_and_inflight_load_count
     assert d.chosen.node_id == "c"
 
 
-def test_the_weights_defaults_have_one_home():
-    assert RoutingWeights() == DEFAULT_WEIGHTS
+def test_the_weights_defaults_have_one_home_and_are_the_policy_kvflow_sim_measures():
+    from kvflow.sim.routing import SIM_WEIGHTS
+
+    assert RoutingWeights() == DEFAULT_WEIGHTS == SIM_WEIGHTS == RouterSettings().weights()
+    assert (DEFAULT_WEIGHTS.overlap_weight, DEFAULT_WEIGHTS.load_bound, DEFAULT_WEIGHTS.work_bound,
+            DEFAULT_WEIGHTS.ttft_quantile) == (24.0, 0.75, 0.25, 0.9)
     for f in dataclasses.fields(RoutingWeights):
         assert RouterSettings.model_fields[f.name].default == getattr(DEFAULT_WEIGHTS, f.name)
     assert RouterSettings(overlap_weight=2.0, temperature=0.5).weights() == RoutingWeights(overlap_weight=2.0,
@@ -324,7 +329,7 @@ def test_one_block_size_decides_exactly_as_before():
                       active_blocks=rng.randrange(60), queued_requests=rng.randrange(3),
                       inflight_blocks=rng.randrange(9)) for i in range(n)]
         matches = {v.node_id: PrefixMatch(rng.randrange(5), rng.randrange(3), rng.random() < 0.3) for v in views}
-        w = RoutingWeights(queued_weight_blocks=rng.choice([8.0, 2.5]), temperature=rng.choice([0.0, 0.0, 1.0]))
+        w = weights(queued_weight_blocks=rng.choice([8.0, 2.5]), temperature=rng.choice([0.0, 0.0, 1.0]))
         seed = rng.random()
         before = decide_matches(6, views, matches, w, random.Random(seed))
         sized = [dataclasses.replace(v, block_size=32) for v in views]

@@ -12,14 +12,14 @@ from routing_api.scoring import (
     DEFAULT_WEIGHTS,
     NodeView,
     PrefixMatch,
-    RoutingWeights,
     bounded_loads,
     decide,
     load_cap,
 )
+from tests.routing_api.weights import weights
 
-ON = RoutingWeights(load_bound=0.75, overlap_weight=24.0)  # the simulator's weights: the cost follows the cache
-OFF = RoutingWeights(load_bound=0.0, overlap_weight=24.0)
+ON = weights(load_bound=0.75, overlap_weight=24.0)  # the simulator's weights: the cost follows the cache
+OFF = weights(load_bound=0.0, overlap_weight=24.0)
 
 
 def node(nid: str, requests: int = 0, blocks: int = 0, status: str = "live", **kw) -> NodeView:
@@ -111,7 +111,7 @@ def test_the_chosen_node_is_never_over_the_bound_in_a_long_random_run():
     over_all = 0
     for _ in range(3000):
         total, views, matches = _random_fleet(rng, rng.randint(1, 12))
-        w = RoutingWeights(load_bound=rng.choice([0.1, 0.25, 0.75, 2.0]), overlap_weight=rng.choice([1.0, 8.0, 24.0]))
+        w = weights(load_bound=rng.choice([0.1, 0.25, 0.75, 2.0]), overlap_weight=rng.choice([1.0, 8.0, 24.0]))
         d = decide(total, views, matches, w, rng)
         eligible = [c for c in d.candidates if c.eligible]
         if d.chosen is None:
@@ -139,7 +139,7 @@ def test_the_bound_off_decides_as_the_cost_alone():
     rng = random.Random(5)
     for _ in range(3000):
         total, views, matches = _random_fleet(rng, rng.randint(1, 10))
-        w = RoutingWeights(load_bound=0.0, overlap_weight=rng.choice([1.0, 8.0]))
+        w = weights(load_bound=0.0, overlap_weight=rng.choice([1.0, 8.0]))
         d = decide(total, views, matches, w, rng)
         eligible = [c for c in d.candidates if c.eligible]
         if not eligible:

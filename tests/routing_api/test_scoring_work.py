@@ -14,15 +14,15 @@ from routing_api.scoring import (
     NodeView,
     PrefixMatch,
     RoutedWork,
-    RoutingWeights,
     decide,
     overlay,
     routed_work,
 )
 from routing_api.state import Inflight
 from tests.routing_api.test_scoring_bound import _random_fleet
+from tests.routing_api.weights import weights
 
-W = RoutingWeights(load_bound=0.75, overlap_weight=24.0, work_bound=0.25, work_tau_s=60.0)
+W = weights(load_bound=0.75, overlap_weight=24.0, work_bound=0.25, work_tau_s=60.0)
 
 
 def node(nid: str, work: float = 0.0, requests: int = 0, blocks: int = 0) -> NodeView:
@@ -30,10 +30,10 @@ def node(nid: str, work: float = 0.0, requests: int = 0, blocks: int = 0) -> Nod
                     routed_work=work)
 
 
-def test_the_work_bound_is_a_setting_off_by_default():
-    assert DEFAULT_WEIGHTS.work_bound == 0.0 and DEFAULT_WEIGHTS.work_tau_s == 60.0
-    w = RouterSettings(work_bound=0.25, work_tau_s=30).weights()
-    assert (w.work_bound, w.work_tau_s) == (0.25, 30.0)
+def test_the_work_bound_is_on_by_default_and_a_setting():
+    assert DEFAULT_WEIGHTS.work_bound == 0.25 and DEFAULT_WEIGHTS.work_tau_s == 60.0
+    w = RouterSettings(work_bound=0.0, work_tau_s=30).weights()
+    assert (w.work_bound, w.work_tau_s) == (0.0, 30.0)
 
 
 def test_routed_work_decays_with_its_time_constant():
@@ -76,7 +76,7 @@ def test_the_work_changes_nothing_with_the_load_bound_off():
     for _ in range(2000):
         total, views, matches = _random_fleet(rng, rng.randint(1, 10))
         worked = [dataclasses.replace(v, routed_work=rng.choice([0.0, 5.0, 80.0, 400.0])) for v in views]
-        w = RoutingWeights(load_bound=0.0, overlap_weight=rng.choice([1.0, 24.0]), work_bound=0.25)
+        w = weights(load_bound=0.0, overlap_weight=rng.choice([1.0, 24.0]), work_bound=0.25)
         a, b = decide(total, views, matches, w, random.Random(1)), decide(total, worked, matches, w, random.Random(1))
         assert (a.chosen is None) == (b.chosen is None)
         if a.chosen is not None:

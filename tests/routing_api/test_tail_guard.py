@@ -19,16 +19,17 @@ from routing_api.prefill import PrefillQueue, TtftTail, guard, predicted_ttft
 from routing_api.proxy import Outgoing, forward
 from routing_api.queries import StateReader
 from routing_api.schemas import decision_body
-from routing_api.scoring import DEFAULT_WEIGHTS, NodeView, PrefixMatch, RoutingWeights, decide
+from routing_api.scoring import DEFAULT_WEIGHTS, NodeView, PrefixMatch, decide
 from routing_api.state import RouterState
+from tests.routing_api.weights import weights
 
-W = RoutingWeights(overlap_weight=24.0, load_bound=0.75, ttft_quantile=0.9)
+W = weights(overlap_weight=24.0, load_bound=0.75, ttft_quantile=0.9)
 
 
-def test_the_guard_is_a_setting_off_by_default():
-    assert DEFAULT_WEIGHTS.ttft_quantile == 0.0
-    w = RouterSettings(ttft_quantile=0.9, ttft_tolerance=0.2, ttft_work_slack=1.5).weights()
-    assert (w.ttft_quantile, w.ttft_tolerance, w.ttft_work_slack) == (0.9, 0.2, 1.5)
+def test_the_guard_is_on_by_default_and_a_setting():
+    assert DEFAULT_WEIGHTS.ttft_quantile == 0.9
+    w = RouterSettings(ttft_quantile=0.0, ttft_tolerance=0.2, ttft_work_slack=1.5).weights()
+    assert (w.ttft_quantile, w.ttft_tolerance, w.ttft_work_slack) == (0.0, 0.2, 1.5)
 
 
 def test_a_queue_waits_for_what_was_sent_and_learns_the_rate_from_first_tokens():
@@ -143,7 +144,7 @@ def _state(handler) -> RouterState:
 def test_the_proxy_queues_a_prefill_until_its_first_chunk_and_forgets_a_refused_one():
     fleet = [NodeView("a", "http://a", "live", 1000, block_size=16), NodeView("b", "http://b", "live", 1000,
                                                                              block_size=16)]
-    d = decide(10, fleet, {"a": PrefixMatch(gpu=4)}, RoutingWeights(), block_size=16)
+    d = decide(10, fleet, {"a": PrefixMatch(gpu=4)}, weights(), block_size=16)
     routed = Routed(d, decision_body(d, 160, 10, 16, 0.001), 10)
     seen: list[int] = []
 
