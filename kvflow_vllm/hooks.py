@@ -149,7 +149,7 @@ def patch() -> None:
             for group, blocks in enumerate(hits.blocks):
                 size = self.kv_cache_config.kv_cache_groups[group].kv_cache_spec.block_size
                 priorities, changed = claim_blocks(request, blocks, 0, len(blocks), size)
-                if changed:
+                if changed and len(priorities) == len(blocks):  # a prefix of real blocks (no skipped null ones)
                     publish_update(self.block_pool, request, priorities, size, group)
         return out
 
