@@ -38,7 +38,7 @@ compose-check: $(COMPOSE_CHECK) ## Build kvflow-compose: compose files loaded wi
 $(STAMP): pyproject.toml $(NATIVE_SOURCES)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip setuptools wheel
-	$(BIN)/python -m pip install --quiet --no-compile -e '.[test]'
+	$(BIN)/python -m pip install --quiet -e '.[test]'
 ifneq ($(CARGO),)
 	PATH="$(dir $(CARGO)):$$PATH" CARGO_TARGET_DIR=$(KVFLOW_CACHE)/native-target $(BIN)/python -m pip install --quiet ./native
 else
