@@ -145,7 +145,7 @@ def patch() -> None:
     def allocate_slots_retained(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
         hits = kwargs.get("new_computed_blocks", args[2] if len(args) > 2 else None)
         out = allocate_slots(self, request, *args, **kwargs)
-        if out is not None and hits is not None:
+        if out is not None and hits is not None and retention_of(request) is not None:  # none: nothing to claim
             for group, blocks in enumerate(hits.blocks):
                 size = self.kv_cache_config.kv_cache_groups[group].kv_cache_spec.block_size
                 priorities, changed = claim_blocks(request, blocks, 0, len(blocks), size)
