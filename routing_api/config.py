@@ -60,6 +60,12 @@ class RouterSettings(BaseSettings):
         "The tail guard's nodes: their cached share of the prompt at most this much below the choice's."))
     ttft_work_slack: float = Field(default=W.ttft_work_slack, ge=1, description=(
         "The tail guard's nodes: their prefill work lately, this request's included, at most this x the choice's."))
+    bound_gate: float = Field(default=W.bound_gate, ge=0, description=(
+        "The bound gate: the node the cost alone would choose, left out by the load or work bound, takes the "
+        "request anyway when its predicted time to first token is at most this x the bounded choice's (0: off)."))
+    queue_tiebreak: bool = Field(default=W.queue_tiebreak, description=(
+        "When the choice has a prefill queue, a node holding at least as much of the prompt where it starts "
+        "sooner takes the request (false: off)."))
     prefill_tokens_per_s: float = Field(default=10000.0, gt=0, description=(
         "A node's prefill rate before the router has measured it (from the first tokens it proxies): "
         "the tail guard's predicted waits."))

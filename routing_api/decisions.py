@@ -22,7 +22,7 @@ from eventbus.hashing import prompt_hash_heads
 from eventbus.protocol import NodeId
 from routing_api.errors import Unavailable
 from routing_api.fleet import FleetView
-from routing_api.prefill import guard
+from routing_api.prefill import gate, guard
 from routing_api.queries import DatabaseUnavailable
 from routing_api.schemas import decision_body
 from routing_api.scoring import NO_MATCH, Decision, PrefixMatch, decide, overlay
@@ -161,8 +161,12 @@ async def route(state: RouterState, token_ids: Sequence[int] | None, text: str |
                     state.work, state.weights.work_tau_s)
     decision = decide(prompt.blocks, views, matches, state.weights, state.rng, block_size=fleet.block_size,
                       tokens=len(prompt.tokens))
+    now = time.monotonic()
+    if gate(decision, state.prefill, state.weights, state.settings.prefill_tokens_per_s, fleet.block_size,
+            now) is not None:
+        state.metrics.bound_gate.inc()
     if guard(decision, state.prefill, state.tail, state.weights, state.settings.prefill_tokens_per_s,
-             fleet.block_size, time.monotonic()) is not None:
+             fleet.block_size, now) is not None:
         state.metrics.tail_guard.inc()
     if prompt.degraded:
         _degrade(state, decision)

@@ -27,6 +27,17 @@ only:
 So at most the tail's share of the requests (1 − the quantile) moves, each at a bounded loss of
 cached prefix: where queues are short (the cost's choice idle or soon free) nothing changes.
 
+Before the guard, two rules that let the queues decide what the bounds and the cost cannot see
+(:func:`gate`; docs/router.md, "The bound gate"):
+
+* **The bound gate** (``bound_gate``, a ratio): the load and work bounds keep a node that holds a
+  prompt from taking it when the node is over the fleet's mean; that is right when its queue
+  makes the request wait, and costs hit rate and time when it does not. When the node the cost
+  alone would choose is over a bound, and its predicted TTFT is at most ``bound_gate`` × the
+  bounded choice's, it takes the request anyway: the imbalance costs this request no time.
+* **The queue tiebreak** (``queue_tiebreak``): when the choice is queued, a node holding at least
+  as much of the prompt (within the bounds, not busy) where it would start sooner takes it.
+
 Pure apart from the clock values it is given (``now``, monotonic seconds): the router and the
 simulator (:class:`kvflow.sim.cluster.RouterPolicy`) run the same code.
 """
@@ -193,3 +204,44 @@ def guard(decision: Decision, queues: Mapping[NodeId, PrefillQueue], tail: TtftT
     decision.reason = best.reason
     return best
 
+
+
+
+def gate(decision: Decision, queues: Mapping[NodeId, PrefillQueue], w: RoutingWeights, tokens_per_s: float,
+         block_size: int, now: float) -> Candidate | None:
+    """The bound gate and the queue tiebreak (module docstring), applied to ``decision`` before the tail
+    guard. Returns the node it sends the request to instead (``decision.chosen`` and its ``reason``
+    updated), or None when the choice stands. Each is off when its weight is (``bound_gate`` 0,
+    ``queue_tiebreak`` false)."""
+    chosen = decision.chosen
+    if chosen is None:
+        return None
+    free = [c for c in decision.candidates if c.eligible and not c.busy]
+    moved: Candidate | None = None
+    if w.bound_gate > 0 and len(free) > 1:
+        pure = min(free, key=lambda c: (c.cost, c.decode_blocks, c.node_id))
+        if pure is not chosen and pure.over_bound:
+            mine = predicted_ttft(chosen, queues, tokens_per_s, block_size, now)
+            theirs = predicted_ttft(pure, queues, tokens_per_s, block_size, now)
+            if theirs <= w.bound_gate * mine:
+                pure.reason = (f"bound gate: over the bound, but predicted TTFT {theirs:.2f} s here against "
+                               f"{mine:.2f} s on {chosen.node_id}, the bounded choice ({chosen.reason})")
+                moved = chosen = pure
+    q = queues.get(chosen.node_id)
+    if w.queue_tiebreak and q is not None and q.wait(now) > 0:
+        mine = predicted_ttft(chosen, queues, tokens_per_s, block_size, now)
+        best, best_t = chosen, mine
+        for c in free:
+            if c is chosen or c.over_bound or c.prefill_blocks > chosen.prefill_blocks:
+                continue
+            t = predicted_ttft(c, queues, tokens_per_s, block_size, now)
+            if t < best_t:
+                best, best_t = c, t
+        if best is not chosen:
+            best.reason = (f"queue tiebreak: {chosen.node_id} holds no more of the prompt and is queued "
+                           f"(predicted TTFT {mine:.2f} s); {best_t:.2f} s here ({chosen.reason})")
+            moved = chosen = best
+    if moved is not None:
+        decision.chosen = moved
+        decision.reason = moved.reason
+    return moved

@@ -65,6 +65,8 @@ class Metrics:
                               registry=r)
         self.tail_guard = Counter("kvflow_router_tail_guard_total", "Requests the tail guard sent elsewhere than "
                                   "the cost's choice (routing_api.prefill)", registry=r)
+        self.bound_gate = Counter("kvflow_router_bound_gate_total", "Requests the bound gate or the queue "
+                                  "tiebreak sent elsewhere than the bounded choice (routing_api.prefill)", registry=r)
         self.degraded = Counter("kvflow_router_degraded_decisions", "Decisions made without PostgreSQL "
                                 "(the last known fleet, by load alone)", registry=r)
         self.replica = ReplicaMetrics(r)

@@ -70,7 +70,7 @@ from kvflow.sim import router_anchors as anchors
 from kvflow.sim.node import Policy, SimNode
 from kvflow.sim.request import BLOCK_TOKENS, SimRequest
 from kvflow.traces import belady_hit_rate
-from routing_api.prefill import PrefillQueue, TtftTail, guard
+from routing_api.prefill import PrefillQueue, TtftTail, gate, guard
 from routing_api.scoring import (
     DEFAULT_WEIGHTS,
     NodeView,
@@ -239,6 +239,7 @@ class RouterPolicy:
         tau = self.weights.work_tau_s
         views = overlay(views, {}, inflight, req.t, work=self.work, tau=tau)  # as the router lays its state over
         decision = decide(len(prompt.digests), views, pm, self.weights, self.rng)
+        gate(decision, self.queues, self.weights, ROUTER_PREFILL_TOKENS_PER_S, BLOCK_TOKENS, req.t)
         guard(decision, self.queues, self.tail, self.weights, ROUTER_PREFILL_TOKENS_PER_S, BLOCK_TOKENS, req.t)
         chosen = decision.chosen
         assert chosen is not None

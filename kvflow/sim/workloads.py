@@ -31,14 +31,19 @@ from kvflow.sim.families import (
     _FAMILIES,
     _Keys,
     agentic,
+    bursts,
     chain_key,
     chunk_chain,
     hot_prefixes,
+    long_tail,
+    many_tenants,
     multi_turn,
     one_shot,
+    prefix_tree,
     rag,
     scan,
     system_prompt_heavy,
+    zipf_skew,
 )
 from kvflow.sim.request import BLOCK_TOKENS, Labelled, SimRequest, mooncake, pin
 from kvflow.traces import TraceRequest
@@ -52,20 +57,25 @@ __all__ = [
     "SimRequest",
     "agentic",
     "as_trace",
+    "bursts",
     "chain_key",
     "chunk_chain",
     "hot_prefixes",
     "labelled",
+    "long_tail",
+    "many_tenants",
     "mooncake",
     "multi_turn",
     "one_shot",
     "pin",
+    "prefix_tree",
     "rag",
     "scan",
     "shifting_mix",
     "system_prompt_heavy",
     "write_trace",
     "write_trace_requests",
+    "zipf_skew",
 ]
 
 # ------------------------------------------------------------------------------- the mixture
@@ -160,6 +170,11 @@ GENERATORS: dict[str, Callable[..., list[SimRequest]]] = {
     "shifting_mix": shifting_mix,
     "hot_prefixes": hot_prefixes,
     "one_shot": one_shot,
+    "bursts": bursts,
+    "zipf_skew": zipf_skew,
+    "long_tail": long_tail,
+    "many_tenants": many_tenants,
+    "prefix_tree": prefix_tree,
 }
 
 

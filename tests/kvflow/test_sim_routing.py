@@ -14,7 +14,7 @@ from inference_node.kv.prompt import Prompt
 from kvflow.bench.harness import BenchResult
 from kvflow.sim.cluster import ROUTING, RouterPolicy, SimNode, _core, percentile, simulate
 from kvflow.sim.router_anchors import ApproxTree, LlmdScorer, SGLangCacheAware, _LruIndex
-from kvflow.sim.routing import GOALS, POLICIES, routing_figures, routing_report, run_routing
+from kvflow.sim.routing import GOALS, PEERS, POLICIES, TUNING_FAMILIES, routing_figures, routing_report, run_routing
 from kvflow.sim.workloads import BLOCK_TOKENS, SimRequest
 from routing_api.scoring import RoutedWork, RoutingWeights
 
@@ -100,8 +100,12 @@ def test_kv_aware_load_is_the_routers_decide_with_its_load_as_the_router_knows_i
     nodes[0].core.free("x")
     p = RouterPolicy(RoutingWeights(overlap_weight=24.0, load_bound=0.0), random.Random(0))
     assert p.choose(req(0.1, range(1, 9)), prompt, nodes) == 0  # the cost alone: the cache wins
-    p = RouterPolicy(RoutingWeights(overlap_weight=24.0, load_bound=0.75), random.Random(0))
+    p = RouterPolicy(RoutingWeights(overlap_weight=24.0, load_bound=0.75, bound_gate=0.0), random.Random(0))
     assert p.choose(req(0.1, range(1, 9)), prompt, nodes) in (1, 2)  # 16 + 8 queued > 1.75 x 32 / 3
+    # with the bound gate: this router sent node 0 nothing, so it sees no prefill queue there (0 s
+    # against 8 blocks elsewhere): the bound costs the request time, and the cache wins again
+    p = RouterPolicy(RoutingWeights(overlap_weight=24.0, load_bound=0.75, bound_gate=0.5), random.Random(0))
+    assert p.choose(req(0.1, range(1, 9)), prompt, nodes) == 0
 
 
 def test_the_router_policy_keeps_the_prefill_work_it_routed_as_the_router_does():
@@ -210,4 +214,17 @@ def test_every_policy_runs_and_the_study_reports_the_issues_names(tmp_path):
     assert all(res.goals[k] == v for k, v in GOALS.items())
     report = routing_report(study)
     assert sum(1 for line in report if line.startswith("| hot_prefixes | 100 |")) == len(POLICIES)
-    assert any(line.startswith("| one_shot | — |") for line in report)
+    assert any(line.startswith("| one_shot | validation | — |") for line in report)
+    assert any(line.startswith("| agentic | tuning |") for line in report)
+    # against the best peer on each figure (Dynamo's cost, SGLang's, llm-d's), every trace and capacity
+    for t in study.traces:
+        for c in (100, 200):
+            me, peers = study.row(t, c, "kv_aware_load"), [study.row(t, c, p) for p in PEERS]
+            best = max(p.hit_rate for p in peers)
+            assert res.ratios[f"kv_aware_vs_best_peer_hit_rate.{t}.{c}"] == (me.hit_rate / best if best else 1.0)
+            assert res.ratios[f"kv_aware_ttft_p99_vs_best_peer.{t}.{c}"] == me.ttft_p99 / min(p.ttft_p99 for p in peers)
+    cells = [res.ratios[f"kv_aware_ttft_p50_vs_best_peer.{t}.{c}"] for t in study.traces for c in (100, 200)]
+    assert res.ratios["kv_aware_ttft_p50_vs_best_peer_max"] == max(cells)
+    tuning = [res.ratios[f"kv_aware_vs_best_peer_hit_rate.{t}.{c}"] for t in TUNING_FAMILIES for c in (100, 200)]
+    assert res.ratios["kv_aware_vs_best_peer_hit_rate_min.tuning"] == min(tuning)
+    assert "kv_aware_vs_best_peer_hit_rate_min.validation" in res.ratios

@@ -23,7 +23,8 @@ from kvflow.sim.workloads import (
 )
 from kvflow.traces import load_trace, replay_core, trace_prompts
 
-FAMILIES = ("system_prompt", "multi_turn", "agentic", "rag", "scan", "shifting_mix", "hot_prefixes", "one_shot")
+FAMILIES = ("system_prompt", "multi_turn", "agentic", "rag", "scan", "shifting_mix", "hot_prefixes", "one_shot",
+            "bursts", "zipf_skew", "long_tail", "many_tenants", "prefix_tree")
 
 
 def common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
@@ -250,3 +251,69 @@ def test_as_trace_renumbers_keys_and_write_trace_round_trips(tmp_path):
         assert load_trace(path) == as_trace(family), name
     line = (tmp_path / "t.jsonl").read_text().splitlines()[1]
     assert line == '{"timestamp": 1234, "input_length": 1024, "output_length": 6, "hash_ids": [0, 3]}'
+
+
+def test_bursts_alternate_calm_periods_and_bursts_at_six_times_the_rate(full):
+    xs = full["bursts"]
+    calm = [x for x in xs if x.kind == "calm"]
+    burst = [x for x in xs if x.kind == "burst"]
+    assert calm and burst
+    # the arrival rate in the bursts over the calm periods' is the burst factor (6), about
+    span = {kind: sum(b.req.t - a.req.t for a, b in itertools.pairwise(xs) if b.kind == kind) for kind in
+            ("calm", "burst")}
+    ratio = (len(burst) / span["burst"]) / (len(calm) / span["calm"])
+    assert 4.5 < ratio < 7.5, ratio
+    for x in xs:  # an app prompt of 4-16 blocks (pinned), then the user's part
+        assert 4 <= x.req.pinned_blocks <= 16 and len(x.req.keys) > x.req.pinned_blocks
+    assert len({x.req.keys[:x.req.pinned_blocks] for x in xs}) <= 32
+
+
+def test_zipf_skew_sends_most_requests_to_a_few_documents(full):
+    docs = Counter(x.unit for x in full["zipf_skew"])
+    top = [c for _, c in docs.most_common(10)]
+    n = len(full["zipf_skew"])
+    assert 0.2 < top[0] / n < 0.45  # the first document ~30 %
+    assert 0.5 < sum(top) / n < 0.75  # the first ten ~60 %
+    assert len(docs) > 500  # and a long tail
+    assert all(x.req.retention is None for x in full["zipf_skew"])
+
+
+def test_long_tail_prompts_are_mostly_short_with_a_few_very_long(full):
+    bodies = [len(x.req.keys) - x.req.pinned_blocks for x in full["long_tail"]]
+    assert statistics.median(bodies) <= 2 and max(bodies) == 250
+    long = [b for b in bodies if b >= 32]
+    assert 0.02 < len(long) / len(bodies) < 0.08
+    assert sum(long) > 0.4 * sum(bodies)  # the few long prompts bring much of the work
+
+
+def test_many_tenants_keep_short_conversations_under_their_own_system_prompts(full):
+    sessions: dict[int, list[Labelled]] = defaultdict(list)
+    for x in full["many_tenants"]:
+        sessions[x.unit[1]].append(x)
+    assert len({x.unit[0] for x in full["many_tenants"]}) > 1000  # many tenants seen
+    for turns in sessions.values():
+        assert 1 <= len(turns) <= 5 and [x.unit[2] for x in turns] == list(range(len(turns)))
+        for a, b in itertools.pairwise(turns):
+            assert b.req.keys[:len(a.req.keys)] == a.req.keys and len(b.req.keys) > len(a.req.keys)
+    top = Counter(x.unit[0] for x in full["many_tenants"]).most_common(1)[0][1]
+    assert top < 0.02 * len(full["many_tenants"])  # no tenant dominates
+
+
+def test_prefix_tree_shares_prefixes_at_every_depth(full):
+    xs = full["prefix_tree"]
+    by_depth: dict[int, list[Labelled]] = defaultdict(list)
+    for x in xs:
+        by_depth[x.unit[0]].append(x)
+    assert sorted(by_depth) == [1, 2, 3, 4]
+    # the same tree node is the same prefix; a child extends its parent's prefix
+    prefix: dict[tuple[int, int], tuple[int, ...]] = {}
+    for x in xs:
+        depth, index = x.unit
+        prefix.setdefault((depth, index), x.req.keys)
+    for (depth, index), keys in prefix.items():
+        parent = prefix.get((depth - 1, index // (3, 5, 8, 12)[depth - 1]))
+        if parent is not None:
+            assert common_prefix(keys, parent) >= 2 * (depth - 1)  # every level is at least 2 blocks
+    # shallow nodes are shared by more requests than deep ones
+    per_node = {d: len(v) / len({x.unit for x in v}) for d, v in by_depth.items()}
+    assert per_node[1] > per_node[2] > per_node[3] > per_node[4]
