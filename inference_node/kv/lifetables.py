@@ -141,8 +141,9 @@ class LifeTables:
         self._count(blocks, tick, self.ends, taken=False)
 
     def runs_evicted(self, runs: Iterable[Sequence[Block]], tick: int) -> None:
-        """:meth:`blocks_evicted` for the runs the eviction index handed out, each sorted by
-        priority, then ``last_used`` (``EvictionIndex.take``).
+        """:meth:`blocks_evicted` for the runs the eviction index handed out
+        (``EvictionIndex.take``): a run of one priority sorted by ``last_used``, or (from a heap)
+        victims of possibly several priorities.
 
         NOTE: a run of one priority is split at the cohorts' starts and the buckets' bounds by
         bisection over its ``last_used`` (one list made per run, no Python work per block): on
@@ -153,7 +154,9 @@ class LifeTables:
         n_starts = len(starts)
         for run in runs:
             p = run[0].priority
-            if p != run[-1].priority:  # from a heap: several priorities
+            # a run from a heap may hold several priorities in any order (its first and last blocks
+            # can agree while one between does not): every block's is checked
+            if any(b.priority != p for b in run):
                 self._count(run, tick, ends, taken=False)
                 continue
             band = band_of[p]

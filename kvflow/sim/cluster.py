@@ -36,14 +36,14 @@ Routing policies (:data:`ROUTING`):
 * ``least_loaded``: the fewest prompt blocks in hand (ties: the earliest free, then the index);
 * ``kv_aware``: the longest true cached prefix (ties: least loaded) — cache only;
 * ``dynamo_cost``: the router's cost (:func:`routing_api.scoring.decide`, Dynamo's
-  ``overlap × prefill blocks + load blocks`` with kvflow's credits) with the load bound and the
-  tail guard *off*: the router's decisions before bounded loads;
+  ``overlap × prefill blocks + load blocks`` with kvflow's credits) with the load bound, the
+  tail guard, the bound gate and the queue tiebreak *off*: the router's decisions before bounded loads;
 * ``kv_aware_load``: kvflow's router, :func:`routing_api.scoring.decide` exactly (bounded loads on),
   with the weights given (default: the router's, which ``kvflow sim`` runs: :data:`kvflow.sim.routing.SIM_WEIGHTS`)
   over the nodes' true prefixes and the loads the router knows, with the prefill work it routed to
-  each node kept and laid over the views as the router does, then the tail guard
-  (:func:`routing_api.prefill.guard`, on when the weights' ``ttft_quantile`` is) over the prefill
-  queues the router keeps (:class:`RouterPolicy`);
+  each node kept and laid over the views as the router does, then the bound gate and the queue
+  tiebreak (:func:`routing_api.prefill.gate`) and the tail guard (:func:`routing_api.prefill.guard`,
+  each on when its weight is) over the prefill queues the router keeps (:class:`RouterPolicy`);
 * ``sglang`` and ``llm_d``: the anchors of :mod:`kvflow.sim.router_anchors`, modelled on SGLang's
   cache-aware router and llm-d's scorer (approximate indexes built from the requests they routed).
 
@@ -263,7 +263,8 @@ def make_policy(routing: str, *, nodes: int, capacity: int, weights: RoutingWeig
         "round_robin": _RoundRobin,
         "least_loaded": _LeastLoaded,
         "kv_aware": _KvAware,
-        "dynamo_cost": lambda: RouterPolicy(dataclasses.replace(w, load_bound=0.0, ttft_quantile=0.0), rng),
+        "dynamo_cost": lambda: RouterPolicy(dataclasses.replace(w, load_bound=0.0, ttft_quantile=0.0, bound_gate=0.0,
+                                                                queue_tiebreak=False), rng),
         "kv_aware_load": lambda: RouterPolicy(w, rng),
         "sglang": lambda: anchors.SGLangCacheAware(nodes),
         "llm_d": lambda: anchors.LlmdScorer(nodes, capacity, rng),

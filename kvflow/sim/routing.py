@@ -9,7 +9,8 @@ prefill tokens over the mean, and the time to first token (p50 / p99) of the que
 each request in hand — counted by the router — until its last token at ``DECODE_S_PER_TOKEN``.
 
 kvflow's policy (``kv_aware_load``) is :func:`routing_api.scoring.decide` with the router's default
-weights (:data:`SIM_WEIGHTS` is :data:`~routing_api.scoring.DEFAULT_WEIGHTS`), then the tail guard
+weights (:data:`SIM_WEIGHTS` is :data:`~routing_api.scoring.DEFAULT_WEIGHTS`), then the bound gate
+and the queue tiebreak (:func:`routing_api.prefill.gate`) and the tail guard
 (:func:`routing_api.prefill.guard`). The
 runs are independent: they are spread over processes
 (one task per trace and capacity).
@@ -20,7 +21,12 @@ JSON (``BenchResult``): on the Mooncake trace at the reference capacity, as befo
 pooled hits nothing, has no ratio): ``ratios.kv_aware_vs_pooled_hit_rate_min`` (goal ≥ 0.95),
 ``figures.kv_aware_max_over_mean_load_worst_capacity`` (the busiest node's prefill tokens over the
 mean; goal ≤ 1.15), ``ratios.kv_aware_ttft_p99_vs_round_robin_max`` and ``…_vs_least_loaded_max``
-(goal ≤ 1), the same per trace (``….<trace>``) and the anchors' (``sglang_…``, ``llm_d_…``).
+(goal ≤ 1), the same per trace (``….<trace>``) and the anchors' (``sglang_…``, ``llm_d_…``);
+against the best of :data:`PEERS` on each figure (issue 41's goals), per trace and capacity
+``ratios.kv_aware_vs_best_peer_hit_rate.<trace>.<cap>`` (≥ 0.98), ``kv_aware_ttft_p50_vs_best_peer.…``
+(≤ 1.05), ``kv_aware_ttft_p99_vs_best_peer.…`` (≤ 1), their worst (``…_min`` / ``…_max``), and the
+same over the tuning and the validation traces apart (``….tuning``, ``….validation``;
+:data:`TUNING_FAMILIES`).
 """
 
 from __future__ import annotations
@@ -48,8 +54,9 @@ DECODE_S_PER_TOKEN = 0.02
 #: holds them equal): a cached block worth 24 blocks of load (the cost follows the cache, the
 #: bound keeps the balance), the load bound 0.75, the bound on prefill work routed lately (0.25,
 #: τ 60 s), chosen on the Mooncake trace, multi_turn, agentic and hot_prefixes; and the tail guard
-#: (quantile 0.9, its tolerance 0.35 and work slack 1.1), chosen on the Mooncake trace and every
-#: family (docs/router.md, "Which data chose each default").
+#: (quantile 0.9, its tolerance 0.35 and work slack 1.1), chosen on the Mooncake trace and the first
+#: eight families; the bound gate (0.5) and the queue tiebreak, chosen on :data:`TUNING_FAMILIES`
+#: (docs/router.md, "Which data chose each default").
 SIM_WEIGHTS = DEFAULT_WEIGHTS
 POLICIES = ("pooled", *ROUTING)
 #: Where the goals are judged: every trace, every capacity.
@@ -228,7 +235,9 @@ def routing_report(study: RoutingStudy) -> list[str]:
              f"τ = {SIM_WEIGHTS.work_tau_s:g} s, "
              f"overlap weight {SIM_WEIGHTS.overlap_weight:g}, tail guard at the p{SIM_WEIGHTS.ttft_quantile * 100:g} "
              f"of predicted TTFT, tolerance {SIM_WEIGHTS.ttft_tolerance:g}, work slack "
-             f"{SIM_WEIGHTS.ttft_work_slack:g}). Worst over capacities "
+             f"{SIM_WEIGHTS.ttft_work_slack:g}; bound gate {SIM_WEIGHTS.bound_gate:g}, queue tiebreak "
+             f"{'on' if SIM_WEIGHTS.queue_tiebreak else 'off'}). Peers: {', '.join(PEERS)} (the best of them on each "
+             f"figure). Worst over capacities "
              f"{', '.join(f'{c:,}' for c in study.capacities)}:", "",
              "| trace | half | kvflow vs pooled (min) | busiest / mean prefill (worst) | "
              "TTFT p99 vs round-robin (max) | "

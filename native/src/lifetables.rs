@@ -294,8 +294,8 @@ impl LifeTables {
         self.count(blocks, tick, true, false)
     }
 
-    /// `LifeTables.runs_evicted`: the runs the eviction index handed out, each sorted by
-    /// priority, then `last_used`.
+    /// `LifeTables.runs_evicted`: the runs the eviction index handed out: a run of one priority
+    /// sorted by `last_used`, or (from a heap) victims of possibly several priorities.
     fn runs_evicted(&mut self, runs: &Bound<'_, PyAny>, tick: i64) -> PyResult<()> {
         let py = runs.py();
         let (prio_name, last_name) = (intern!(py, "priority"), intern!(py, "last_used"));
@@ -308,8 +308,19 @@ impl LifeTables {
                 continue;
             }
             let p: i64 = run.get_item(0)?.getattr(prio_name)?.extract()?;
-            let p_last: i64 = run.get_item(n - 1)?.getattr(prio_name)?.extract()?;
-            if p != p_last {
+            // a run from a heap may hold several priorities in any order (its first and last
+            // blocks can agree while one between does not): every block's is checked
+            lus.clear();
+            let mut mixed = false;
+            for b in run.try_iter()? {
+                let b = b?;
+                if b.getattr(prio_name)?.extract::<i64>()? != p {
+                    mixed = true;
+                    break;
+                }
+                lus.push(b.getattr(last_name)?.extract()?);
+            }
+            if mixed {
                 self.count(&run, tick, true, false)?;
                 continue;
             }
@@ -318,10 +329,6 @@ impl LifeTables {
                 continue;
             }
             let band = band as usize;
-            lus.clear();
-            for b in run.try_iter()? {
-                lus.push(b?.getattr(last_name)?.extract()?);
-            }
             total += n as i64;
             // cohorts: those of the oldest and the newest block, and every one between
             let n_starts = self.starts.len() as i64;

@@ -1,0 +1,172 @@
+"""Traces built to defeat the adaptive eviction policy's guard (issue 41's eviction floor), and the
+windowed comparison with LRU that the floor is judged by.
+
+The adaptive policy (:mod:`inference_node.kv.adaptive`) learns which blocks to keep: a frequency
+band for reused blocks and a junk band for classes of blocks that are rarely reused. Each can be
+wrong on traffic whose statistics turn around, and the guard must notice before the loss adds up.
+Each trace here turns them around on purpose, again and again, at the speed that hurts most:
+
+* :func:`junk_trap`: one-off short prompts teach the policy that short prompts are junk; then the
+  short prompts come back twice, soon enough for LRU to hit them, while long prompts that return
+  only after the cache has forgotten them fill it. A junk band evicts the short prompts first.
+* :func:`frequency_trap`: a hot set reused many times fills the frequency band, then goes cold,
+  while a new working set is reused once each at a distance LRU still hits. The frequency band
+  keeps the cold set.
+
+Both alternate their phases (``period`` requests each), so that a guard that switches back after a
+phase pays again. :func:`windowed_deficit` replays a trace through LRU and through the policy and
+reports the worst loss over any window of ``window`` requests.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from inference_node.kv.adaptive import AdaptivePolicy
+from inference_node.kv.clock import ManualClock
+from inference_node.kv.manager import KvCacheConfig, KVCacheManager
+from inference_node.kv.prompt import Prompt
+from kvflow.sim.request import BLOCK_TOKENS, SimRequest
+
+
+class _Keys:
+    def __init__(self) -> None:
+        self.next = 1 << 44
+
+    def fresh(self, n: int) -> list[int]:
+        out = list(range(self.next, self.next + n))
+        self.next += n
+        return out
+
+
+def junk_trap(n: int = 8000, seed: int = 21, capacity: int = 1000, period: int = 1000) -> list[SimRequest]:
+    """Phases of ``period`` requests, alternating (one request a second):
+
+    * **teach**: one-off prompts of 2 blocks (never seen again: their class looks like junk),
+      interleaved with long prompts (12 blocks) from a pool that returns each only after about 4 ×
+      ``capacity`` blocks (LRU never hits them; the policy's ghosts see them return, so their
+      class stays worth keeping);
+    * **trap**: the same long prompts, and short prompts of 2 blocks each asked three times, the
+      repeats about ``capacity / 4`` blocks apart: LRU hits every repeat; a policy that still
+      stores short prompts in the junk band evicts them before the long ones and misses.
+    """
+    rng = random.Random(seed)
+    keys = _Keys()
+    long_pool = [keys.fresh(12) for _ in range(max(8, 4 * capacity // 12 // 2))]
+    out: list[SimRequest] = []
+    pending: list[tuple[int, list[int]]] = []  # (due request index, short prompt) repeats
+    li = 0
+    gap = max(1, capacity // 4 // 7)  # requests between repeats: ~capacity / 4 blocks at ~7 blocks each
+    for i in range(n):
+        trap = (i // period) % 2 == 1
+        if i % 2 == 0:
+            prompt = long_pool[li % len(long_pool)]
+            li += 1
+        elif trap:
+            if pending and pending[0][0] <= i:
+                _, prompt = pending.pop(0)
+            else:
+                prompt = keys.fresh(2)
+                pending.append((i + gap, prompt))
+                pending.append((i + 2 * gap, prompt))
+                pending.sort(key=lambda x: x[0])
+        else:
+            pending.clear()
+            prompt = keys.fresh(2)
+        out.append(SimRequest(float(i), tuple(prompt), rng.randint(20, 200)))
+    return out
+
+
+def frequency_trap(n: int = 8000, seed: int = 22, capacity: int = 1000, period: int = 1000) -> list[SimRequest]:
+    """Phases of ``period`` requests, alternating (one request a second):
+
+    * **hot**: a set of ``capacity / 2`` blocks in prompts of 4, each reused many times (the
+      frequency band fills with it), with one-off prompts of 4 blocks between;
+    * **shift**: that set goes cold for good (the next hot phase has a new one); new prompts of 4
+      blocks are each asked twice, about ``capacity / 2`` blocks apart: LRU hits the second; a
+      frequency band still holding the cold set leaves them too little room.
+    """
+    rng = random.Random(seed)
+    keys = _Keys()
+    out: list[SimRequest] = []
+    hot: list[list[int]] = []
+    pending: list[tuple[int, list[int]]] = []
+    gap = max(1, capacity // 2 // 4)
+    for i in range(n):
+        phase = i // period
+        if phase % 2 == 0:
+            if i % period == 0:
+                hot = [keys.fresh(4) for _ in range(max(1, capacity // 2 // 4))]
+            prompt = rng.choice(hot) if i % 2 == 0 else keys.fresh(4)
+        else:
+            if pending and pending[0][0] <= i:
+                _, prompt = pending.pop(0)
+            else:
+                prompt = keys.fresh(4)
+                pending.append((i + gap, prompt))
+        out.append(SimRequest(float(i), tuple(prompt), rng.randint(20, 200)))
+    return out
+
+
+#: The adversarial traces by name.
+ADVERSARIAL = {"junk_trap": junk_trap, "frequency_trap": frequency_trap}
+
+
+def replay_hits(requests: Sequence[SimRequest], capacity: int, adaptive: AdaptivePolicy | None) -> list[int]:
+    """Each request's cached prefix, in blocks, replayed through one cache of ``capacity`` blocks
+    (LRU when ``adaptive`` is None; allocate, then free, as ``kvflow.traces.replay_core``)."""
+    clock = ManualClock()
+    mgr = KVCacheManager(KvCacheConfig(num_gpu_blocks=capacity, block_size=BLOCK_TOKENS, adaptive=adaptive,
+                                       max_queued_events=1 << 30), clock=clock)
+    hits: list[int] = []
+    for i, r in enumerate(requests):
+        clock.set(max(clock.now, r.t))
+        prompt = Prompt.from_block_keys(r.keys, BLOCK_TOKENS)
+        if len(prompt.digests) > capacity:
+            hits.append(0)
+            continue
+        alloc = mgr.allocate("r", prompt)
+        hits.append(alloc.num_cached_tokens // BLOCK_TOKENS)
+        mgr.free("r")
+        if i % 256 == 0:
+            mgr.drain_events()
+    return hits
+
+
+@dataclass(frozen=True)
+class Deficit:
+    """The policy against LRU on one trace: totals, and the worst window."""
+
+    lru_hits: int
+    hits: int
+    blocks: int
+    #: the most LRU's hits exceed the policy's over any ``window`` consecutive requests
+    worst_window_deficit: int
+    #: the blocks requested in that window
+    worst_window_blocks: int
+    window: int
+
+    @property
+    def ratio(self) -> float:
+        return self.hits / self.lru_hits if self.lru_hits else 1.0
+
+
+def windowed_deficit(requests: Sequence[SimRequest], capacity: int, policy: AdaptivePolicy,
+                     window: int) -> Deficit:
+    """Replay ``requests`` through LRU and through ``policy`` at ``capacity`` blocks: the totals and
+    the worst window of ``window`` requests (LRU's hits minus the policy's)."""
+    lru = replay_hits(requests, capacity, None)
+    ours = replay_hits(requests, capacity, policy)
+    sizes = [len(r.keys) for r in requests]
+    diff = [a - b for a, b in zip(lru, ours, strict=True)]
+    cur = sum(diff[:window])
+    blocks = sum(sizes[:window])
+    worst, worst_blocks = cur, blocks
+    for i in range(window, len(diff)):
+        cur += diff[i] - diff[i - window]
+        blocks += sizes[i] - sizes[i - window]
+        if cur > worst:
+            worst, worst_blocks = cur, blocks
+    return Deficit(sum(lru), sum(ours), sum(sizes), worst, worst_blocks, window)
