@@ -28,7 +28,7 @@ So at most the tail's share of the requests (1 − the quantile) moves, each at 
 cached prefix: where queues are short (the cost's choice idle or soon free) nothing changes.
 
 Before the guard, two rules that let the queues decide what the bounds and the cost cannot see
-(:func:`gate`; docs/router.md, "The bound gate"):
+(:func:`gate`; docs/router.md, "The bound gate and the queue tiebreak"):
 
 * **The bound gate** (``bound_gate``, a ratio): the load and work bounds keep a node that holds a
   prompt from taking it when the node is over the fleet's mean; that is right when its queue
@@ -203,8 +203,6 @@ def guard(decision: Decision, queues: Mapping[NodeId, PrefillQueue], tail: TtftT
     decision.chosen = best
     decision.reason = best.reason
     return best
-
-
 
 
 def gate(decision: Decision, queues: Mapping[NodeId, PrefillQueue], w: RoutingWeights, tokens_per_s: float,

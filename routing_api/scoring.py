@@ -76,12 +76,8 @@ class RoutingWeights:
     ttft_quantile: float = 0.9
     ttft_tolerance: float = 0.35
     ttft_work_slack: float = 1.1
-    #: The bound gate (:func:`routing_api.prefill.gate`): the cost's own choice, left out by the
-    #: load or work bound, takes the request anyway when its predicted TTFT is at most this × the
-    #: bounded choice's (the imbalance costs the request no time); 0: off.
+    #: The bound gate (a ratio of predicted TTFTs; 0: off) and the queue tiebreak (:func:`routing_api.prefill.gate`).
     bound_gate: float = 0.5
-    #: The queue tiebreak (:func:`routing_api.prefill.gate`): when the choice has a prefill queue,
-    #: a node holding at least as much of the prompt where it starts sooner takes the request.
     queue_tiebreak: bool = True
 
 

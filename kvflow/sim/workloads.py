@@ -15,7 +15,7 @@ each one is (its family, kind, session or chunks), for tests and analysis. :func
 
 This module holds the mixture (:func:`shifting_mix`), ``GENERATORS``, :func:`labelled` and the
 trace output; the request shape is in :mod:`kvflow.sim.request` and the families one by one in
-:mod:`kvflow.sim.families`. Every name of them all is importable from here.
+:mod:`kvflow.sim.families` and :mod:`kvflow.sim.families_extra`. Every name of them all is importable from here.
 """
 
 from __future__ import annotations
@@ -31,20 +31,16 @@ from kvflow.sim.families import (
     _FAMILIES,
     _Keys,
     agentic,
-    bursts,
     chain_key,
     chunk_chain,
     hot_prefixes,
-    long_tail,
-    many_tenants,
     multi_turn,
     one_shot,
-    prefix_tree,
     rag,
     scan,
     system_prompt_heavy,
-    zipf_skew,
 )
+from kvflow.sim.families_extra import EXTRA_FAMILIES, bursts, long_tail, many_tenants, prefix_tree, zipf_skew
 from kvflow.sim.request import BLOCK_TOKENS, Labelled, SimRequest, mooncake, pin
 from kvflow.traces import TraceRequest
 
@@ -78,6 +74,11 @@ __all__ = [
     "zipf_skew",
 ]
 
+#: Every family's labelled generator, public function and rate parameters: the first eight's
+#: (:mod:`kvflow.sim.families`) and those added for issue 41 (:mod:`kvflow.sim.families_extra`).
+FAMILIES = {**_FAMILIES, **EXTRA_FAMILIES}
+
+
 # ------------------------------------------------------------------------------- the mixture
 
 #: The Mooncake conversation trace's offered prefill load: its prompt tokens over its duration
@@ -95,7 +96,7 @@ SHIFTING_PHASES: tuple[dict[str, float], ...] = (
 def _component(name: str, n: int, rng: random.Random, keys: _Keys, scale: float = 1.0,
                **params: float) -> list[Labelled]:
     """A family at its defaults (or ``params``), its arrival rate times ``scale`` (inner gaps unchanged)."""
-    gen, public, rates = _FAMILIES[name]
+    gen, public, rates = FAMILIES[name]
     kw = {k: p.default for k, p in inspect.signature(public).parameters.items() if k not in ("n", "seed")}
     kw.update(params)
     for k, exponent in rates.items():
