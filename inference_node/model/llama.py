@@ -260,6 +260,7 @@ class LlamaModel(nn.Module):
         # RoPE's inverse frequencies per device, float32 whatever the model's dtype (not a buffer:
         # Module.to(dtype) would round it).
         self._inv_freq: dict[torch.device, Tensor] = {}
+        self._fused_cache: tuple[tuple[int, ...], native.LayerWeights] | None = None
 
     @classmethod
     def random(cls, cfg: ModelConfig, seed: int = 0) -> LlamaModel:
@@ -291,11 +292,18 @@ class LlamaModel(nn.Module):
         if inv_freq is None:
             inv_freq = self._inv_freq[device] = rope_inv_freq(self.cfg, device)
         cos, sin = rope_tables(torch.as_tensor(positions, device=device), inv_freq)
-        cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)  # once for every layer
-        for i, module in enumerate(self.layers):
-            layer = cast(DecoderLayer, module)
-            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, i, pool, plan)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if (not plan.prefills and plan.decode_blocks is not None and plan.decode_lengths is not None
+                and native.fused_decode_usable(x.dtype, device, len(tokens))):
+            # Decode tokens only: every layer in one compiled call (native.decode_layers).
+            x = x.contiguous()
+            native.decode_layers(x, self._fused_weights(), pool.k, pool.v, cos, sin, plan.slots, plan.decode_blocks,
+                                 plan.decode_lengths, self.cfg.rms_norm_eps)
+        else:
+            cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)  # once for every layer
+            for i, module in enumerate(self.layers):
+                layer = cast(DecoderLayer, module)
+                x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, i, pool, plan)
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
         if not all_logits:  # the last token of each sequence, through the head at once
             last, offset = [], 0
             for item in batch:
@@ -308,6 +316,25 @@ class LlamaModel(nn.Module):
             out.append(self.lm_head(self.norm(x[offset:offset + n])).float())
             offset += n
         return out
+
+    def _fused_weights(self) -> native.LayerWeights:
+        """The layers' weights for :func:`native.decode_layers`, made again when a weight moved
+        (``Module.to``: the fused matrices are remade then too)."""
+        layers = [cast(DecoderLayer, module) for module in self.layers]
+        fused = [(layer.self_attn.qkv.get(), layer.mlp.gate_up.get()) for layer in layers]
+        key = tuple(t.data_ptr() for pair in fused for t in pair) + tuple(
+            p.data_ptr() for layer in (layers[0], layers[-1]) for p in layer.parameters())
+        cached = self._fused_cache
+        if cached is None or cached[0] != key:
+            tensors: list[Tensor] = []
+            for layer, (qkv, gate_up) in zip(layers, fused, strict=True):
+                tensors += [layer.input_layernorm.weight.data, qkv, layer.self_attn.o_proj.weight.data,
+                            layer.post_attention_layernorm.weight.data, gate_up, layer.mlp.down_proj.weight.data]
+            cfg = self.cfg
+            cached = self._fused_cache = (key, native.LayerWeights(
+                tensors, hidden=cfg.hidden_size, heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
+                head_dim=cfg.head_dim, inter=cfg.intermediate_size))
+        return cached[1]
 
     # ----------------------------------------------------------------- Hugging Face format
 

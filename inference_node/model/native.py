@@ -14,8 +14,16 @@ of one row on this project's 2-core AVX2 machine; the kernel reads each weight r
 ``nn.Linear`` keeps it, against every input row (SmolLM2's layers, 4 rows: 66 -> 38 ms; 16 rows:
 67 -> 59 ms; 1 row: 29 -> 24 ms). Larger products (prefill) stay with torch.
 
-``tests/inference_node/test_native_kernels.py`` compares both with torch.
-``KVFLOW_NODE_NATIVE=0`` turns both off (the torch paths then run everywhere).
+**A whole decode step's layers** (``decode.rs``): when every sequence of a forward brings one
+token, all the decoder layers run in one call: the norms, q/k/v, the rotary embedding, the KV
+write, attention, the output projection, SwiGLU and the residual adds, with the kernels above,
+the threads started once per step and meeting at a spinning barrier between phases. In torch a
+layer is ~20 dispatches, and each product started its threads anew (~0.1 ms each on the 2-core
+VM: more than a 576 × 576 product by one row). SmolLM2, 950-token sequences, a step at 1 / 4 / 16
+sequences: see docs/benchmarks.md ("Where the time goes").
+
+``tests/inference_node/test_native_kernels.py`` compares them with torch.
+``KVFLOW_NODE_NATIVE=0`` turns them off (the torch paths then run everywhere).
 """
 
 from __future__ import annotations
@@ -31,6 +39,10 @@ try:
     from kvflow_native import small_batch_linear as _linear
 except ImportError:  # an older build, or none: torch computes it
     _kernel = _linear = None
+try:
+    from kvflow_native import decode_layers as _layers
+except ImportError:  # a build from before the fused step
+    _layers = None
 
 ENABLED = os.environ.get("KVFLOW_NODE_NATIVE", "1").lower() not in ("0", "false", "off", "no")
 #: The most rows the linear kernel takes; from there torch's BLAS is as fast (measured: 32 rows).
@@ -76,3 +88,60 @@ def decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, 
     _kernel(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), tables.data_ptr(), lengths.data_ptr(),
             n, h, kvh, d, bs, tables.shape[1], blocks, d ** -0.5, torch.get_num_threads())
     return out
+
+
+def fused_decode_usable(dtype: torch.dtype, device: torch.device, rows: int) -> bool:
+    """Whether :func:`decode_layers` runs a decode step of ``rows`` tokens."""
+    return usable(dtype, device) and _layers is not None and 0 < rows <= LINEAR_MAX_ROWS
+
+
+class LayerWeights:
+    """The decoder layers' weights as :func:`decode_layers` takes them, checked once: per layer the
+    input norm, fused q/k/v, output projection, post-attention norm, fused gate/up and down, f32,
+    contiguous, on the CPU, of the shapes the model's configuration gives. Holds the tensors, so
+    the addresses stay valid while it lives."""
+
+    def __init__(self, weights: list[Tensor], *, hidden: int, heads: int, kv_heads: int, head_dim: int,
+                 inter: int) -> None:
+        expected = [(hidden,), ((heads + 2 * kv_heads) * head_dim, hidden), (hidden, heads * head_dim), (hidden,),
+                    (2 * inter, hidden), (hidden, inter)]
+        if not weights or len(weights) % 6:
+            raise ValueError(f"decode_layers: {len(weights)} weights, not 6 per layer")
+        for i, w in enumerate(weights):
+            if tuple(w.shape) != expected[i % 6]:
+                raise ValueError(f"decode_layers: weight {i} has shape {tuple(w.shape)}, not {expected[i % 6]}")
+            if w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous():
+                raise ValueError(f"decode_layers: weight {i} is {w.dtype} on {w.device} "
+                                 f"(contiguous: {w.is_contiguous()})")
+        self.tensors = weights
+        self.addresses = [w.data_ptr() for w in weights]
+        self.layers = len(weights) // 6
+        self.hidden, self.heads, self.kv_heads, self.head_dim, self.inter = hidden, heads, kv_heads, head_dim, inter
+
+
+def decode_layers(x: Tensor, weights: LayerWeights, k_pool: Tensor, v_pool: Tensor, cos: Tensor, sin: Tensor,
+                  slots: Tensor, tables: Tensor, lengths: Tensor, eps: float) -> None:
+    """Every decoder layer for ``m`` decode tokens, ``x`` (``[m, hidden]``, the embeddings) updated
+    in place to the last layer's output; each token's key and value written to its pool slot.
+
+    ``k_pool``/``v_pool`` ``[layers, blocks, block_size, kv_heads, head_dim]``; ``cos``/``sin``
+    ``[m, head_dim]`` (each token's position); ``slots`` ``[m]`` (each token's flat slot in a
+    layer's pool, checked against its table and length); ``tables`` ``[m, width]``, ``lengths``
+    ``[m]`` as :func:`decode_attention`."""
+    assert _layers is not None
+    w = weights
+    m = x.shape[0]
+    if (x.dim() != 2 or x.shape[1] != w.hidden or k_pool.dim() != 5
+            or (k_pool.shape[0], k_pool.shape[3], k_pool.shape[4]) != (w.layers, w.kv_heads, w.head_dim)
+            or v_pool.shape != k_pool.shape or cos.shape != (m, w.head_dim)
+            or sin.shape != (m, w.head_dim) or slots.shape != (m,) or tables.dim() != 2 or tables.shape[0] != m
+            or lengths.shape != (m,)):
+        raise ValueError("decode_layers: shapes do not agree")
+    for t, dtype in ((x, torch.float32), (k_pool, torch.float32), (v_pool, torch.float32), (cos, torch.float32),
+                     (sin, torch.float32), (slots, torch.int64), (tables, torch.int64), (lengths, torch.int64)):
+        if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"decode_layers: a {t.dtype} tensor on {t.device} (contiguous: {t.is_contiguous()})")
+    _layers(x.data_ptr(), w.addresses, k_pool.data_ptr(), v_pool.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            slots.data_ptr(), tables.data_ptr(), lengths.data_ptr(), m, w.hidden, w.heads, w.kv_heads, w.head_dim,
+            w.inter, k_pool.shape[1], k_pool.shape[2], tables.shape[1], eps, w.head_dim ** -0.5,
+            torch.get_num_threads())

@@ -16,14 +16,14 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use std::thread;
 
-struct Shape {
-    n_seqs: usize,
-    n_heads: usize,
-    n_kv: usize,
-    d: usize,
-    bs: usize,
-    width: usize,
-    scale: f32,
+pub(crate) struct Shape {
+    pub(crate) n_seqs: usize,
+    pub(crate) n_heads: usize,
+    pub(crate) n_kv: usize,
+    pub(crate) d: usize,
+    pub(crate) bs: usize,
+    pub(crate) width: usize,
+    pub(crate) scale: f32,
 }
 
 #[inline(always)]
@@ -373,7 +373,7 @@ unsafe fn range_avx2(sh: &Shape, q: usize, k: usize, v: usize, out: usize, table
 }
 
 #[allow(clippy::too_many_arguments)]
-fn run(sh: &Shape, q: usize, k: usize, v: usize, out: usize, tables: &[i64], lengths: &[i64], lo: usize, hi: usize,
+pub(crate) fn run(sh: &Shape, q: usize, k: usize, v: usize, out: usize, tables: &[i64], lengths: &[i64], lo: usize, hi: usize,
        per_head: bool) {
     #[cfg(target_arch = "x86_64")]
     {

@@ -14,10 +14,10 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use std::thread;
 
-struct Dims {
-    m: usize,
-    k: usize,
-    n: usize,
+pub(crate) struct Dims {
+    pub(crate) m: usize,
+    pub(crate) k: usize,
+    pub(crate) n: usize,
 }
 
 /// Portable version: weight rows `j0..j1`, every input row.
@@ -131,7 +131,7 @@ mod avx2 {
     }
 }
 
-fn rows(d: &Dims, x: usize, w: usize, y: usize, j0: usize, j1: usize) {
+pub(crate) fn rows(d: &Dims, x: usize, w: usize, y: usize, j0: usize, j1: usize) {
     let (x, w, y) = (x as *const f32, w as *const f32, y as *mut f32);
     #[cfg(target_arch = "x86_64")]
     {

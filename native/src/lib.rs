@@ -23,6 +23,7 @@ use std::collections::HashMap;
 
 mod adaptive;
 mod attention;
+mod decode;
 mod gemm;
 mod lifetables;
 
@@ -466,5 +467,6 @@ fn kvflow_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<lifetables::LifeTables>()?;
     m.add_function(wrap_pyfunction!(attention::paged_decode_attention, m)?)?;
     m.add_function(wrap_pyfunction!(gemm::small_batch_linear, m)?)?;
+    m.add_function(wrap_pyfunction!(decode::decode_layers, m)?)?;
     Ok(())
 }

@@ -74,3 +74,95 @@ def test_linear_leaves_what_it_does_not_compute_to_torch():
     assert torch.equal(native.linear(x[:2], wt), torch.nn.functional.linear(x[:2], wt))
     with pytest.raises(ValueError, match="features"):
         native.linear(torch.randn(2, 31), w)
+
+
+def _decode_setup(seed: int = 0):
+    """A small GQA model (9 heads over 3 KV heads, as SmolLM2) and five sequences of different
+    lengths prefilled into scattered blocks of a pool."""
+    from inference_node.model.config import ModelConfig
+    from inference_node.model.llama import KVPool, LlamaModel, SeqBatchItem
+
+    cfg = ModelConfig(vocab_size=97, hidden_size=72, intermediate_size=88, num_hidden_layers=3,
+                      num_attention_heads=9, num_key_value_heads=3, head_dim=8, rope_theta=100000.0)
+    model = LlamaModel.random(cfg, seed=seed)
+    with torch.no_grad():  # norms that matter
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    pool = KVPool(cfg, 64, 4, torch.device("cpu"), torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(64, generator=g).tolist()
+    lengths = [1, 4, 5, 13, 30]
+    tables = [order[i * 12:(i + 1) * 12] for i in range(len(lengths))]
+    for n, table in zip(lengths, tables, strict=True):
+        model.forward([SeqBatchItem(torch.randint(0, 97, (n,), generator=g).tolist(), 0, table)], pool)
+    return model, pool, lengths, tables, SeqBatchItem
+
+
+def _pool_copy(pool):
+    """A copy of a pool's keys and values."""
+    from inference_node.model.llama import KVPool
+
+    copy = KVPool.__new__(KVPool)
+    copy.k, copy.v, copy.num_blocks, copy.block_size = pool.k.clone(), pool.v.clone(), pool.num_blocks, pool.block_size
+    return copy
+
+
+def _decode_steps(model, pool, lengths, tables, item, steps: int = 4):
+    return [torch.stack(model.forward([item([3 + i + s], n + s, t) for i, (n, t) in
+                                       enumerate(zip(lengths, tables, strict=True))], pool))
+            for s in range(steps)]
+
+
+@pytest.mark.skipif(native._layers is None, reason="kvflow_native predates the fused decode step")
+def test_the_fused_decode_step_gives_the_layer_by_layer_step(monkeypatch):
+    """Several decode tokens through every layer in one call: the logits and the keys and values
+    it wrote are those of the layer-by-layer path (the same kernels, dispatched by torch), on any
+    number of threads."""
+    model, pool, lengths, tables, item = _decode_setup()
+    layered_pool = _pool_copy(pool)
+    fused = _decode_steps(model, pool, lengths, tables, item)
+    monkeypatch.setattr(native, "_layers", None)
+    layered = _decode_steps(model, layered_pool, lengths, tables, item)
+    for a, b in zip(fused, layered, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-6)
+    torch.testing.assert_close(pool.k, layered_pool.k, rtol=0, atol=1e-6)
+    torch.testing.assert_close(pool.v, layered_pool.v, rtol=0, atol=1e-6)
+    monkeypatch.undo()
+    model, pool, lengths, tables, item = _decode_setup(seed=1)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3):  # the same prefilled pool each time; only the decode steps' threads differ
+            torch.set_num_threads(n)
+            results.append(_decode_steps(model, _pool_copy(pool), lengths, tables, item, steps=2))
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:  # each output is one thread's, whatever the split: bit for bit
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other, strict=True))
+
+
+@pytest.mark.skipif(native._layers is None, reason="kvflow_native predates the fused decode step")
+def test_the_fused_decode_step_refuses_what_it_would_misread():
+    model, pool, _lengths, _tables, _item = _decode_setup()
+    weights = model._fused_weights()
+    x, cs = torch.zeros(1, 72), torch.zeros(1, 8)
+    table, length = torch.tensor([[5, 6]]), torch.tensor([6])
+    native.decode_layers(x, weights, pool.k, pool.v, cs, cs, torch.tensor([6 * 4 + 1]), table, length, 1e-5)
+    with pytest.raises(ValueError, match="not its position"):  # the token's slot is not its last key's
+        native.decode_layers(x, weights, pool.k, pool.v, cs, cs, torch.tensor([5 * 4 + 1]), table, length, 1e-5)
+    with pytest.raises(ValueError, match="outside the pool"):
+        native.decode_layers(x, weights, pool.k, pool.v, cs, cs, torch.tensor([1]), torch.tensor([[0, 64]]),
+                             length, 1e-5)
+    with pytest.raises(ValueError, match="do not fit"):
+        native.decode_layers(x, weights, pool.k, pool.v, cs, cs, torch.tensor([1]), table, torch.tensor([9]), 1e-5)
+    with pytest.raises(ValueError, match="shapes"):
+        native.decode_layers(torch.zeros(1, 71), weights, pool.k, pool.v, cs, cs, torch.tensor([25]), table, length,
+                             1e-5)
+    with pytest.raises(ValueError, match="contiguous: False"):
+        strided = torch.tensor([[5, 0, 6, 0]])[:, ::2]
+        native.decode_layers(x, weights, pool.k, pool.v, cs, cs, torch.tensor([25]), strided, length, 1e-5)
+    with pytest.raises(ValueError, match="float64"):
+        native.decode_layers(x, weights, pool.k, pool.v, cs, cs, torch.tensor([25]), table, length.double(), 1e-5)
+    with pytest.raises(ValueError, match="shape"):
+        native.LayerWeights(weights.tensors[:6], hidden=72, heads=9, kv_heads=3, head_dim=8, inter=80)
