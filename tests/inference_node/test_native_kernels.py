@@ -159,8 +159,8 @@ def test_the_fused_decode_step_refuses_what_it_would_misread():
     with pytest.raises(ValueError, match="shapes"):
         native.decode_layers(torch.zeros(1, 71), weights, pool.k, pool.v, cs, cs, torch.tensor([25]), table, length,
                              1e-5)
+    strided = torch.tensor([[5, 0, 6, 0]])[:, ::2]
     with pytest.raises(ValueError, match="contiguous: False"):
-        strided = torch.tensor([[5, 0, 6, 0]])[:, ::2]
         native.decode_layers(x, weights, pool.k, pool.v, cs, cs, torch.tensor([25]), strided, length, 1e-5)
     with pytest.raises(ValueError, match="float64"):
         native.decode_layers(x, weights, pool.k, pool.v, cs, cs, torch.tensor([25]), table, length.double(), 1e-5)
