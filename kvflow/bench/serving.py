@@ -95,6 +95,17 @@ def _spawn(argv: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[
                                 start_new_session=True, preexec_fn=_die_with_parent)
 
 
+def _ready(engine: Engine, timeout_s: float, path: str = "/health") -> Engine:
+    """The engine once it answers ``path``; stopped (its whole session) when it does not, or when
+    this process is stopped meanwhile (a start is minutes for vLLM)."""
+    try:
+        _wait_ready(engine, timeout_s, path)
+    except BaseException:
+        engine.stop()
+        raise
+    return engine
+
+
 def _wait_ready(engine: Engine, timeout_s: float, path: str = "/health") -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -120,8 +131,7 @@ def start_node(model_dir: Path, logs: Path, *, num_blocks: int, block_size: int,
     """``kvflow node`` serving ``model_dir`` (no Kafka), ``num_blocks`` KV blocks of ``block_size``."""
     engine = _spawn_node(model_dir, logs / f"kvflow-node-{dtype}.log", free_port(), num_blocks, block_size, dtype,
                          extra_args)
-    _wait_ready(engine, timeout_s, "/healthz")
-    return engine
+    return _ready(engine, timeout_s, "/healthz")
 
 
 def start_nodes(model_dir: Path, logs: Path, names: Sequence[str], *, num_blocks: int, block_size: int,
@@ -178,8 +188,7 @@ def start_vllm(model_dir: Path, logs: Path, *, dtype: str, block_size: int, kv_b
     log = logs / f"{name}-{dtype}.log"
     engine = Engine(name, dtype, f"http://127.0.0.1:{port}", model_dir.name, _spawn(argv, log, env), log,
                     {"block_size": block_size, "kv_bytes": kv_bytes, "args": list(extra_args)})
-    _wait_ready(engine, timeout_s)
-    return engine
+    return _ready(engine, timeout_s)
 
 
 @dataclass

@@ -166,3 +166,24 @@ def test_bench_kv_replays_a_trace_given_by_the_user(tmp_path):
     # ... with the tables as installed; with the extension, the Python tables' cost beside it.
     assert result["details"]["adaptive_tables"] == ("compiled" if native_available() else "python")
     assert ("adaptive_python_cost_vs_priority" in result["ratios"]) == native_available()
+
+
+def test_an_engine_stopped_while_it_starts_leaves_nothing_behind(tmp_path, monkeypatch):
+    """A stop signal while a benchmark waits for an engine (vLLM's start takes minutes) stops the
+    engine's whole session before the benchmark exits: it is not in the benchmark's list of
+    started engines yet, so nothing else would."""
+    from kvflow.bench import serving
+    from kvflow.supervise import Stopped
+
+    proc = serving._spawn([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "engine.log",
+                          dict(os.environ))
+    engine = serving.Engine("vllm", "float32", "http://127.0.0.1:9", "m", proc, tmp_path / "engine.log")
+
+    def signalled(*_a: object, **_k: object) -> None:  # the signal arrives while it polls the engine
+        raise Stopped(15)
+
+    monkeypatch.setattr(serving.httpx, "get", signalled)
+    with pytest.raises(Stopped):
+        serving._ready(engine, timeout_s=30)
+    assert proc.poll() is not None
+    assert engine.pids() == []
