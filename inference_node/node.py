@@ -47,7 +47,8 @@ class NodeSettings(BaseSettings):
     block_size: int = Field(default=DEFAULT_BLOCK_SIZE, ge=1, description="Tokens per KV block.")
     device: str = Field(default="auto", description="cpu, cuda, cuda:N or auto (CUDA when present).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        default="auto", description="Weights, activations and KV: auto is float32 on the CPU, bfloat16 on CUDA.")
+        default="auto", description="Weights and KV: auto is float32 on the CPU, bfloat16 on CUDA; bfloat16 on the "
+                                    "CPU computes in float32 over bf16 weights and KV (half the memory traffic).")
     model_dir: str | None = Field(default=None, description="Local Hugging Face Llama folder; default: random.")
     model_preset: Literal["tiny", "small"] = Field(default="small", description="Random model size.")
     seed: int = Field(default=0, description="Seed of the random weights.")

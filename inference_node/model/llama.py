@@ -193,7 +193,7 @@ class Attention(nn.Module):
         pool_k.view(-1, kvh, d)[plan.slots] = k.to(pool_k.dtype)
         pool_v.view(-1, kvh, d)[plan.slots] = v.to(pool_v.dtype)
         out = torch.empty(t, h, d, device=x.device, dtype=x.dtype)
-        if plan.decode_rows is not None and native.usable(x.dtype, x.device):
+        if plan.decode_rows is not None and x.dtype == torch.float32 and native.usable(pool_k.dtype, x.device):
             assert plan.decode_blocks is not None and plan.decode_lengths is not None
             out[plan.decode_rows] = native.decode_attention(
                 q[plan.decode_rows], pool_k, pool_v, plan.decode_blocks, plan.decode_lengths)
@@ -287,13 +287,15 @@ class LlamaModel(nn.Module):
             positions.extend(range(item.start, item.start + len(item.token_ids)))
         plan = AttentionPlan.of(batch, pool.block_size, device)
         ids = torch.as_tensor(tokens, dtype=torch.long, device=device)
-        x = self.embed_tokens(ids)
+        # bf16 on the CPU: weights and keys/values in bf16, the arithmetic in fp32 (native.compute_dtype).
+        x = self.embed_tokens(ids).to(native.compute_dtype(self.embed_tokens.weight.dtype, device))
         inv_freq = self._inv_freq.get(device)
         if inv_freq is None:
             inv_freq = self._inv_freq[device] = rope_inv_freq(self.cfg, device)
         cos, sin = rope_tables(torch.as_tensor(positions, device=device), inv_freq)
         if (not plan.prefills and plan.decode_blocks is not None and plan.decode_lengths is not None
-                and native.fused_decode_usable(x.dtype, device, len(tokens))):
+                and x.dtype == torch.float32 and pool.k.dtype == self.embed_tokens.weight.dtype
+                and native.fused_decode_usable(pool.k.dtype, device, len(tokens))):
             # Decode tokens only: every layer in one compiled call (native.decode_layers).
             x = x.contiguous()
             native.decode_layers(x, self._fused_weights(), pool.k, pool.v, cos, sin, plan.slots, plan.decode_blocks,
@@ -313,7 +315,7 @@ class LlamaModel(nn.Module):
         out, offset = [], 0
         for item in batch:
             n = len(item.token_ids)
-            out.append(self.lm_head(self.norm(x[offset:offset + n])).float())
+            out.append(native.linear(self.norm(x[offset:offset + n]), self.lm_head.weight).float())
             offset += n
         return out
 

@@ -12,6 +12,7 @@
 //! checked against the pool again, and the work (sequence x KV head) is split over threads with
 //! the GIL released.
 
+use crate::elem::{Bf16, Elem};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use std::thread;
@@ -65,12 +66,21 @@ fn exp8(x: &mut [f32; 8]) {
     }
 }
 
+/// `d` elements from `p` as f32, in `row`.
+#[inline(always)]
+unsafe fn widen<'a, E: Elem>(p: *const E, d: usize, row: &'a mut [f32]) -> &'a [f32] {
+    for (j, r) in row[..d].iter_mut().enumerate() {
+        *r = (*p.add(j)).to_f32();
+    }
+    &row[..d]
+}
+
 /// One sequence's KV heads `g0..g1`: their query heads over the sequence's `len` keys. A block's
 /// rows are read in order, each row once for all its KV heads' query heads.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn one(sh: &Shape, q: *const f32, k: *const f32, v: *const f32, out: *mut f32, table: &[i64], len: usize,
-              i: usize, g0: usize, g1: usize, scores: &mut Vec<f32>, acc: &mut Vec<f32>) {
+unsafe fn one<E: Elem>(sh: &Shape, q: *const f32, k: *const E, v: *const E, out: *mut f32, table: &[i64], len: usize,
+                        i: usize, g0: usize, g1: usize, scores: &mut Vec<f32>, acc: &mut Vec<f32>) {
     let (d, bs, group, stride) = (sh.d, sh.bs, sh.n_heads / sh.n_kv, sh.n_kv * sh.d);
     let heads = (g1 - g0) * group; // query heads of this item, from query head g0 * group
     scores.clear();
@@ -78,13 +88,14 @@ unsafe fn one(sh: &Shape, q: *const f32, k: *const f32, v: *const f32, out: *mut
     acc.clear();
     acc.resize(heads * d, 0.0);
     let qs = std::slice::from_raw_parts(q.add((i * sh.n_heads + g0 * group) * d), heads * d);
+    let mut row = vec![0f32; d];
     let n_blocks = len.div_ceil(bs);
     for (b, &blk) in table[..n_blocks].iter().enumerate() {
         let first = b * bs;
         let base = k.add(blk as usize * bs * stride);
         for off in 0..bs.min(len - first) {
             for g in g0..g1 {
-                let krow = std::slice::from_raw_parts(base.add(off * stride + g * d), d);
+                let krow = widen(base.add(off * stride + g * d), d, &mut row);
                 for h in (g - g0) * group..(g - g0 + 1) * group {
                     *scores.get_unchecked_mut(h * len + first + off) = dot(&qs[h * d..h * d + d], krow) * sh.scale;
                 }
@@ -99,7 +110,7 @@ unsafe fn one(sh: &Shape, q: *const f32, k: *const f32, v: *const f32, out: *mut
         let base = v.add(blk as usize * bs * stride);
         for off in 0..bs.min(len - first) {
             for g in g0..g1 {
-                let vrow = std::slice::from_raw_parts(base.add(off * stride + g * d), d);
+                let vrow = widen(base.add(off * stride + g * d), d, &mut row);
                 for h in (g - g0) * group..(g - g0 + 1) * group {
                     let w = *scores.get_unchecked(h * len + first + off);
                     axpy(w, vrow, &mut acc[h * d..h * d + d]);
@@ -118,8 +129,8 @@ unsafe fn one(sh: &Shape, q: *const f32, k: *const f32, v: *const f32, out: *mut
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn one_avx2(sh: &Shape, q: *const f32, k: *const f32, v: *const f32, out: *mut f32, table: &[i64], len: usize,
-                   i: usize, g0: usize, g1: usize, scores: &mut Vec<f32>, acc: &mut Vec<f32>) {
+unsafe fn one_avx2<E: Elem>(sh: &Shape, q: *const f32, k: *const E, v: *const E, out: *mut f32, table: &[i64],
+                            len: usize, i: usize, g0: usize, g1: usize, scores: &mut Vec<f32>, acc: &mut Vec<f32>) {
     use std::arch::x86_64::*;
     let (d, bs, group, stride) = (sh.d, sh.bs, sh.n_heads / sh.n_kv, sh.n_kv * sh.d);
     let chunks = d / 8;
@@ -133,7 +144,7 @@ unsafe fn one_avx2(sh: &Shape, q: *const f32, k: *const f32, v: *const f32, out:
     let n_blocks = len.div_ceil(bs);
     // The part of a row this item reads: KV heads g0..g1, in cache lines of 16 floats.
     let (col0, cols) = (g0 * d, (g1 - g0) * d);
-    let prefetch = |next: *const f32, r: usize, n: usize| {
+    let prefetch = |next: *const E, r: usize, n: usize| {
         for row in r..r + n {
             let mut c = 0;
             while c < cols {
@@ -160,10 +171,10 @@ unsafe fn one_avx2(sh: &Shape, q: *const f32, k: *const f32, v: *const f32, out:
                     let (mut a0, mut a1, mut a2, mut a3) = (z, z, z, z);
                     for c in 0..chunks {
                         let qv = _mm256_loadu_ps(qh.add(c * 8));
-                        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0.add(c * 8)), a0);
-                        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1.add(c * 8)), a1);
-                        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2.add(c * 8)), a2);
-                        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3.add(c * 8)), a3);
+                        a0 = _mm256_fmadd_ps(qv, E::load8(k0.add(c * 8)), a0);
+                        a1 = _mm256_fmadd_ps(qv, E::load8(k1.add(c * 8)), a1);
+                        a2 = _mm256_fmadd_ps(qv, E::load8(k2.add(c * 8)), a2);
+                        a3 = _mm256_fmadd_ps(qv, E::load8(k3.add(c * 8)), a3);
                     }
                     let s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
                     let s = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
@@ -179,7 +190,7 @@ unsafe fn one_avx2(sh: &Shape, q: *const f32, k: *const f32, v: *const f32, out:
                     let qh = qs.add(h * d);
                     let mut a = _mm256_setzero_ps();
                     for c in 0..chunks {
-                        a = _mm256_fmadd_ps(_mm256_loadu_ps(qh.add(c * 8)), _mm256_loadu_ps(kr.add(c * 8)), a);
+                        a = _mm256_fmadd_ps(_mm256_loadu_ps(qh.add(c * 8)), E::load8(kr.add(c * 8)), a);
                     }
                     let s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
                     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -212,10 +223,10 @@ unsafe fn one_avx2(sh: &Shape, q: *const f32, k: *const f32, v: *const f32, out:
                                                 _mm256_set1_ps(*w.add(3)));
                         for c in 0..chunks {
                             let o = c * 8;
-                            let x = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0.add(o)), _mm256_loadu_ps(ah.add(o)));
-                            let y = _mm256_mul_ps(w1, _mm256_loadu_ps(v0.add(stride + o)));
-                            let x = _mm256_fmadd_ps(w2, _mm256_loadu_ps(v0.add(2 * stride + o)), x);
-                            let y = _mm256_fmadd_ps(w3, _mm256_loadu_ps(v0.add(3 * stride + o)), y);
+                            let x = _mm256_fmadd_ps(w0, E::load8(v0.add(o)), _mm256_loadu_ps(ah.add(o)));
+                            let y = _mm256_mul_ps(w1, E::load8(v0.add(stride + o)));
+                            let x = _mm256_fmadd_ps(w2, E::load8(v0.add(2 * stride + o)), x);
+                            let y = _mm256_fmadd_ps(w3, E::load8(v0.add(3 * stride + o)), y);
                             _mm256_storeu_ps(ah.add(o), _mm256_add_ps(x, y));
                         }
                     } else {
@@ -223,7 +234,7 @@ unsafe fn one_avx2(sh: &Shape, q: *const f32, k: *const f32, v: *const f32, out:
                             let wj = _mm256_set1_ps(*w.add(j));
                             for c in 0..chunks {
                                 let o = c * 8;
-                                let x = _mm256_fmadd_ps(wj, _mm256_loadu_ps(v0.add(j * stride + o)), _mm256_loadu_ps(ah.add(o)));
+                                let x = _mm256_fmadd_ps(wj, E::load8(v0.add(j * stride + o)), _mm256_loadu_ps(ah.add(o)));
                                 _mm256_storeu_ps(ah.add(o), x);
                             }
                         }
@@ -347,13 +358,13 @@ fn softmax(sc: &mut [f32]) {
 /// head of one (`per_head`).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn range(sh: &Shape, q: usize, k: usize, v: usize, out: usize, tables: &[i64], lengths: &[i64],
-                lo: usize, hi: usize, per_head: bool, simd: bool) {
+unsafe fn range<E: Elem>(sh: &Shape, q: usize, k: usize, v: usize, out: usize, tables: &[i64], lengths: &[i64],
+                         lo: usize, hi: usize, per_head: bool, simd: bool) {
     let (mut scores, mut acc) = (Vec::new(), Vec::new());
     for item in lo..hi {
         let (i, g0, g1) = if per_head { (item / sh.n_kv, item % sh.n_kv, item % sh.n_kv + 1) } else { (item, 0, sh.n_kv) };
         let table = &tables[i * sh.width..(i + 1) * sh.width];
-        let (qp, kp, vp, op, len) = (q as *const f32, k as *const f32, v as *const f32, out as *mut f32, lengths[i] as usize);
+        let (qp, kp, vp, op, len) = (q as *const f32, k as *const E, v as *const E, out as *mut f32, lengths[i] as usize);
         #[cfg(target_arch = "x86_64")]
         if simd {
             one_avx2(sh, qp, kp, vp, op, table, len, i, g0, g1, &mut scores, &mut acc);
@@ -367,38 +378,38 @@ unsafe fn range(sh: &Shape, q: usize, k: usize, v: usize, out: usize, tables: &[
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn range_avx2(sh: &Shape, q: usize, k: usize, v: usize, out: usize, tables: &[i64], lengths: &[i64],
-                     lo: usize, hi: usize, per_head: bool) {
-    range(sh, q, k, v, out, tables, lengths, lo, hi, per_head, sh.d.is_multiple_of(8))
+unsafe fn range_avx2<E: Elem>(sh: &Shape, q: usize, k: usize, v: usize, out: usize, tables: &[i64], lengths: &[i64],
+                              lo: usize, hi: usize, per_head: bool) {
+    range::<E>(sh, q, k, v, out, tables, lengths, lo, hi, per_head, sh.d.is_multiple_of(8))
 }
 
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn run(sh: &Shape, q: usize, k: usize, v: usize, out: usize, tables: &[i64], lengths: &[i64], lo: usize, hi: usize,
+pub(crate) fn run<E: Elem>(sh: &Shape, q: usize, k: usize, v: usize, out: usize, tables: &[i64], lengths: &[i64], lo: usize, hi: usize,
        per_head: bool) {
     #[cfg(target_arch = "x86_64")]
     {
         if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-            unsafe { range_avx2(sh, q, k, v, out, tables, lengths, lo, hi, per_head) };
+            unsafe { range_avx2::<E>(sh, q, k, v, out, tables, lengths, lo, hi, per_head) };
             return;
         }
     }
-    unsafe { range(sh, q, k, v, out, tables, lengths, lo, hi, per_head, false) }
+    unsafe { range::<E>(sh, q, k, v, out, tables, lengths, lo, hi, per_head, false) }
 }
 
 /// `out[i, h] = softmax(q[i, h] . K_i / sqrt(d)) V_i` for each decode sequence `i` and query head
 /// `h`, with sequence `i`'s first `lengths[i]` keys in the blocks `tables[i, :]` of the pool.
 ///
-/// Addresses of contiguous f32 tensors: `q`, `out` [n_seqs, n_heads, d]; `k_pool`, `v_pool`
-/// [n_blocks, block_size, n_kv_heads, d] (one layer); `tables` i64 [n_seqs, width]; `lengths`
+/// Addresses of contiguous tensors: `q`, `out` f32 [n_seqs, n_heads, d]; `k_pool`, `v_pool`
+/// [n_blocks, block_size, n_kv_heads, d] (one layer; f32, or bf16 with `bf16`); `tables` i64 [n_seqs, width]; `lengths`
 /// i64 [n_seqs].
 #[pyfunction]
 #[pyo3(signature = (q, k_pool, v_pool, out, tables, lengths, n_seqs, n_heads, n_kv_heads, head_dim, block_size,
-                    width, n_blocks, scale, threads))]
+                    width, n_blocks, scale, threads, bf16=false))]
 #[allow(clippy::too_many_arguments)]
 pub fn paged_decode_attention(py: Python<'_>, q: usize, k_pool: usize, v_pool: usize, out: usize, tables: usize,
                               lengths: usize, n_seqs: usize, n_heads: usize, n_kv_heads: usize, head_dim: usize,
                               block_size: usize, width: usize, n_blocks: usize, scale: f32,
-                              threads: usize) -> PyResult<()> {
+                              threads: usize, bf16: bool) -> PyResult<()> {
     if n_kv_heads == 0 || !n_heads.is_multiple_of(n_kv_heads) || head_dim == 0 || block_size == 0 {
         return Err(PyValueError::new_err("bad attention shape"));
     }
@@ -420,6 +431,7 @@ pub fn paged_decode_attention(py: Python<'_>, q: usize, k_pool: usize, v_pool: u
     // A thread costs ~0.1-0.2 ms to start: worth it past ~1M key elements (4 MB of keys).
     let work: usize = lengths.iter().map(|&l| l as usize).sum::<usize>() * n_kv_heads * head_dim;
     let threads = if work < (1 << 20) { 1 } else { threads.clamp(1, items.max(1)) };
+    let run = if bf16 { run::<Bf16> } else { run::<f32> };
     py.detach(|| {
         if threads == 1 {
             run(&sh, q, k_pool, v_pool, out, tables, lengths, 0, items, per_head);

@@ -18,12 +18,14 @@
 //!    `silu(gate) · up` for them; barrier;
 //! 5. its columns of the down projection, added into the residual stream; barrier.
 //!
-//! The arithmetic is torch's, in f32 (RMSNorm's mean of squares summed in f64; the rotary
+//! The weights and the pool are f32, or bf16 (`elem.rs`: read as f32, keys and values rounded to
+//! bf16 when written). The arithmetic is torch's, in f32 (RMSNorm's mean of squares summed in f64; the rotary
 //! embedding as `x·cos + rotate_half(x)·sin`, unfused; `silu(g) = g / (1 + e^-g)`), so only the
 //! order of sums differs; `tests/inference_node/test_native_kernels.py` compares a whole step
 //! with the torch paths, and the reference-parity tests run through it.
 
 use crate::attention::{self, Shape};
+use crate::elem::{Bf16, Elem};
 use crate::gemm::{self, Dims};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -110,24 +112,24 @@ fn items(n: usize, t: usize, nt: usize) -> (usize, usize) {
 }
 
 /// `out = w · x / sqrt(mean(x²) + eps)` for each of `m` rows of `hidden` values.
-unsafe fn rms_norm(x: usize, w: usize, out: &mut [f32], m: usize, hidden: usize, eps: f32) {
-    let w = std::slice::from_raw_parts(w as *const f32, hidden);
+unsafe fn rms_norm<E: Elem>(x: usize, w: usize, out: &mut [f32], m: usize, hidden: usize, eps: f32) {
+    let w = std::slice::from_raw_parts(w as *const E, hidden);
     for i in 0..m {
         let row = std::slice::from_raw_parts((x as *const f32).add(i * hidden), hidden);
         let ss: f64 = row.iter().map(|&v| (v as f64) * (v as f64)).sum();
         let r = 1.0 / ((ss / hidden as f64) as f32 + eps).sqrt();
         for (o, (&v, &g)) in out[i * hidden..(i + 1) * hidden].iter_mut().zip(row.iter().zip(w)) {
-            *o = g * (v * r);
+            *o = g.to_f32() * (v * r);
         }
     }
 }
 
-/// Hugging Face's rotary embedding of one head: `x·cos + rotate_half(x)·sin`.
-unsafe fn rope(src: *const f32, cos: *const f32, sin: *const f32, dst: *mut f32, d: usize) {
+/// Hugging Face's rotary embedding of one head: `x·cos + rotate_half(x)·sin`, stored as `D`.
+unsafe fn rope<D: Elem>(src: *const f32, cos: *const f32, sin: *const f32, dst: *mut D, d: usize) {
     let half = d / 2;
     for j in 0..d {
         let rotated = if j < half { -*src.add(j + half) } else { *src.add(j - half) };
-        *dst.add(j) = *src.add(j) * *cos.add(j) + rotated * *sin.add(j);
+        *dst.add(j) = D::from_f32(*src.add(j) * *cos.add(j) + rotated * *sin.add(j));
     }
 }
 
@@ -141,7 +143,7 @@ unsafe fn add_columns(x: usize, y: usize, m: usize, n: usize, lo: usize, hi: usi
     }
 }
 
-unsafe fn worker(s: &Step, barrier: &SpinBarrier, t: usize, nt: usize) {
+unsafe fn worker<E: Elem>(s: &Step, barrier: &SpinBarrier, t: usize, nt: usize) {
     let (m, hidden, d, inter) = (s.m, s.hidden, s.d, s.inter);
     let (nq, nkv) = (s.heads * d, s.kv_heads * d);
     let nqkv = nq + 2 * nkv;
@@ -155,34 +157,37 @@ unsafe fn worker(s: &Step, barrier: &SpinBarrier, t: usize, nt: usize) {
     for layer in 0..s.weights.len() / PER_LAYER {
         let w = &s.weights[layer * PER_LAYER..(layer + 1) * PER_LAYER];
         // 1. norm, q/k/v
-        rms_norm(s.x, w[0], &mut h, m, hidden, s.eps);
-        gemm::rows(&Dims { m, k: hidden, n: nqkv }, h.as_ptr() as usize, w[1], s.qkv, qkv_lo, qkv_hi);
+        rms_norm::<E>(s.x, w[0], &mut h, m, hidden, s.eps);
+        gemm::rows::<E>(&Dims { m, k: hidden, n: nqkv }, h.as_ptr() as usize, w[1], s.qkv, qkv_lo, qkv_hi);
         barrier.wait();
         // 2. rotary embedding, KV write, attention of this thread's (sequence, KV head) items
-        let k_pool = (s.k_pool as *mut f32).add(layer * s.layer_stride);
-        let v_pool = (s.v_pool as *mut f32).add(layer * s.layer_stride);
+        let k_pool = (s.k_pool as *mut E).add(layer * s.layer_stride);
+        let v_pool = (s.v_pool as *mut E).add(layer * s.layer_stride);
         for item in i0..i1 {
             let (i, g) = (item / s.kv_heads, item % s.kv_heads);
             let row = qkv.add(i * nqkv);
             let (cos, sin) = ((s.cos as *const f32).add(i * d), (s.sin as *const f32).add(i * d));
             let slot = s.slots[i] as usize;
             rope(row.add(nq + g * d), cos, sin, k_pool.add(slot * nkv + g * d), d);
-            std::ptr::copy_nonoverlapping(row.add(nq + nkv + g * d), v_pool.add(slot * nkv + g * d), d);
+            let (value, to) = (row.add(nq + nkv + g * d), v_pool.add(slot * nkv + g * d));
+            for j in 0..d {
+                *to.add(j) = E::from_f32(*value.add(j));
+            }
             for head in g * group..(g + 1) * group {
                 rope(row.add(head * d), cos, sin, q.add((i * s.heads + head) * d), d);
             }
         }
-        attention::run(&s.shape, s.q, k_pool as usize, v_pool as usize, attn, s.tables, s.lengths, i0, i1, true);
+        attention::run::<E>(&s.shape, s.q, k_pool as usize, v_pool as usize, attn, s.tables, s.lengths, i0, i1, true);
         barrier.wait();
         // 3. output projection into the residual stream
-        gemm::rows(&Dims { m, k: nq, n: hidden }, attn, w[2], s.tmp, hid_lo, hid_hi);
+        gemm::rows::<E>(&Dims { m, k: nq, n: hidden }, attn, w[2], s.tmp, hid_lo, hid_hi);
         add_columns(s.x, s.tmp, m, hidden, hid_lo, hid_hi);
         barrier.wait();
         // 4. norm, gate and up (the same columns of both), silu(gate) · up
-        rms_norm(s.x, w[3], &mut h, m, hidden, s.eps);
+        rms_norm::<E>(s.x, w[3], &mut h, m, hidden, s.eps);
         let gate_up = Dims { m, k: hidden, n: 2 * inter };
-        gemm::rows(&gate_up, h.as_ptr() as usize, w[4], s.tmp, int_lo, int_hi);
-        gemm::rows(&gate_up, h.as_ptr() as usize, w[4], s.tmp, inter + int_lo, inter + int_hi);
+        gemm::rows::<E>(&gate_up, h.as_ptr() as usize, w[4], s.tmp, int_lo, int_hi);
+        gemm::rows::<E>(&gate_up, h.as_ptr() as usize, w[4], s.tmp, inter + int_lo, inter + int_hi);
         for i in 0..m {
             for j in int_lo..int_hi {
                 let g = *tmp.add(i * 2 * inter + j);
@@ -191,7 +196,7 @@ unsafe fn worker(s: &Step, barrier: &SpinBarrier, t: usize, nt: usize) {
         }
         barrier.wait();
         // 5. down projection into the residual stream
-        gemm::rows(&Dims { m, k: inter, n: hidden }, s.act, w[5], s.tmp, hid_lo, hid_hi);
+        gemm::rows::<E>(&Dims { m, k: inter, n: hidden }, s.act, w[5], s.tmp, hid_lo, hid_hi);
         add_columns(s.x, s.tmp, m, hidden, hid_lo, hid_hi);
         barrier.wait();
     }
@@ -203,18 +208,19 @@ unsafe fn worker(s: &Step, barrier: &SpinBarrier, t: usize, nt: usize) {
 /// Addresses of contiguous tensors: `x` f32 `[m, hidden]`; `weights`: per layer (`PER_LAYER`)
 /// the input norm `[hidden]`, fused q/k/v `[(heads + 2·kv_heads)·d, hidden]`, output projection
 /// `[hidden, heads·d]`, post-attention norm `[hidden]`, fused gate/up `[2·inter, hidden]`, down
-/// `[hidden, inter]`, all f32; `k_pool`, `v_pool` f32 `[layers, n_blocks, block_size, kv_heads,
-/// d]`; `cos`, `sin` f32 `[m, d]` (each token's position); `slots` i64 `[m]` (the token's flat
+/// `[hidden, inter]`; `k_pool`, `v_pool` `[layers, n_blocks, block_size, kv_heads, d]`; the
+/// weights and the pool f32, or all bf16 with `bf16` (the arithmetic stays f32, keys and values
+/// rounded to bf16 as they are written); `cos`, `sin` f32 `[m, d]` (each token's position); `slots` i64 `[m]` (the token's flat
 /// slot in a layer's pool); `tables` i64 `[m, width]`; `lengths` i64 `[m]` (keys each token sees,
 /// itself included).
 #[pyfunction]
 #[pyo3(signature = (x, weights, k_pool, v_pool, cos, sin, slots, tables, lengths, m, hidden, heads, kv_heads,
-                    head_dim, inter, n_blocks, block_size, width, eps, scale, threads))]
+                    head_dim, inter, n_blocks, block_size, width, eps, scale, threads, bf16=false))]
 #[allow(clippy::too_many_arguments)]
 pub fn decode_layers(py: Python<'_>, x: usize, weights: Vec<usize>, k_pool: usize, v_pool: usize, cos: usize,
                      sin: usize, slots: usize, tables: usize, lengths: usize, m: usize, hidden: usize, heads: usize,
                      kv_heads: usize, head_dim: usize, inter: usize, n_blocks: usize, block_size: usize,
-                     width: usize, eps: f32, scale: f32, threads: usize) -> PyResult<()> {
+                     width: usize, eps: f32, scale: f32, threads: usize, bf16: bool) -> PyResult<()> {
     if m == 0 || hidden == 0 || inter == 0 || head_dim == 0 || !head_dim.is_multiple_of(2) || block_size == 0 || width == 0
         || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
         return Err(PyValueError::new_err("decode_layers: bad shape"));
@@ -260,11 +266,12 @@ pub fn decode_layers(py: Python<'_>, x: usize, weights: Vec<usize>, k_pool: usiz
     let barrier = SpinBarrier::new(nt);
     py.detach(|| {
         thread::scope(|scope| {
+            let work = if bf16 { worker::<Bf16> } else { worker::<f32> };
             for t in 1..nt {
                 let (step, barrier) = (&step, &barrier);
-                scope.spawn(move || unsafe { worker(step, barrier, t, nt) });
+                scope.spawn(move || unsafe { work(step, barrier, t, nt) });
             }
-            unsafe { worker(&step, &barrier, 0, nt) };
+            unsafe { work(&step, &barrier, 0, nt) };
         });
     });
     Ok(())

@@ -24,6 +24,7 @@ use std::collections::HashMap;
 mod adaptive;
 mod attention;
 mod decode;
+mod elem;
 mod gemm;
 mod lifetables;
 

@@ -41,6 +41,19 @@ def test_the_kernel_gives_the_torch_path_on_random_pools(heads, kv_heads, head_d
     torch.testing.assert_close(got, _reference(q, k_pool, v_pool, tables, lengths), rtol=0, atol=2e-6)
 
 
+@pytest.mark.skipif(torch.bfloat16 not in native.KERNEL_DTYPES, reason="kvflow_native predates bf16")
+def test_the_kernel_reads_a_bf16_pool_as_the_torch_path_reads_it_widened():
+    g = torch.Generator().manual_seed(7)
+    k_pool = torch.randn(30, 16, 3, 64, generator=g).to(torch.bfloat16)
+    v_pool = torch.randn(30, 16, 3, 64, generator=g).to(torch.bfloat16)
+    lengths = torch.tensor([1, 16, 17, 100])
+    tables = torch.stack([torch.randperm(30, generator=g)[:7] for _ in lengths])
+    q = torch.randn(4, 9, 64, generator=g)
+    got = native.decode_attention(q, k_pool, v_pool, tables, lengths)
+    want = _reference(q, k_pool.float(), v_pool.float(), tables, lengths)
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
+
+
 def test_bad_tables_and_lengths_are_refused_not_read():
     k = torch.zeros(4, 8, 2, 16)
     q = torch.zeros(1, 2, 16)
@@ -65,6 +78,19 @@ def test_the_linear_kernel_gives_torchs_product(m, k, n):
     assert torch.allclose(got, want, rtol=0, atol=2e-6 * k ** 0.5 * 4)
 
 
+@pytest.mark.skipif(torch.bfloat16 not in native.KERNEL_DTYPES, reason="kvflow_native predates bf16")
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 576, 960), (3, 13, 7), (16, 1536, 576), (17, 64, 40)])
+def test_a_bf16_weight_gives_the_product_with_the_weight_widened(m, k, n):
+    """f32 rows by a bf16 weight (the kernel to 16 rows, torch on the widened weight beyond): the
+    product of the exact f32 values of the weight, in f32."""
+    torch.manual_seed(m + k)
+    x, w = torch.randn(m, k), torch.randn(n, k).to(torch.bfloat16)
+    got = native.linear(x, w)
+    want = (x.double() @ w.double().t()).float()
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    assert torch.allclose(got, want, rtol=0, atol=2e-6 * k ** 0.5 * 4)
+
+
 def test_linear_leaves_what_it_does_not_compute_to_torch():
     """More rows than the kernel takes, another dtype or a transposed weight: torch's own result."""
     x, w = torch.randn(native.LINEAR_MAX_ROWS + 1, 32), torch.randn(8, 32)
@@ -76,9 +102,9 @@ def test_linear_leaves_what_it_does_not_compute_to_torch():
         native.linear(torch.randn(2, 31), w)
 
 
-def _decode_setup(seed: int = 0):
+def _decode_setup(seed: int = 0, dtype: torch.dtype = torch.float32):
     """A small GQA model (9 heads over 3 KV heads, as SmolLM2) and five sequences of different
-    lengths prefilled into scattered blocks of a pool."""
+    lengths prefilled into scattered blocks of a pool, weights and pool in ``dtype``."""
     from inference_node.model.config import ModelConfig
     from inference_node.model.llama import KVPool, LlamaModel, SeqBatchItem
 
@@ -89,7 +115,8 @@ def _decode_setup(seed: int = 0):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
-    pool = KVPool(cfg, 64, 4, torch.device("cpu"), torch.float32)
+    model = model.to(dtype)
+    pool = KVPool(cfg, 64, 4, torch.device("cpu"), dtype)
     g = torch.Generator().manual_seed(seed)
     order = torch.randperm(64, generator=g).tolist()
     lengths = [1, 4, 5, 13, 30]
@@ -115,21 +142,26 @@ def _decode_steps(model, pool, lengths, tables, item, steps: int = 4):
 
 
 @pytest.mark.skipif(native._layers is None, reason="kvflow_native predates the fused decode step")
-def test_the_fused_decode_step_gives_the_layer_by_layer_step(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_decode_step_gives_the_layer_by_layer_step(monkeypatch, dtype):
     """Several decode tokens through every layer in one call: the logits and the keys and values
     it wrote are those of the layer-by-layer path (the same kernels, dispatched by torch), on any
-    number of threads."""
-    model, pool, lengths, tables, item = _decode_setup()
+    number of threads. In bf16 the keys and values it wrote are torch's rounding of f32 values
+    that agree to rounding: at most one bf16 step apart."""
+    model, pool, lengths, tables, item = _decode_setup(dtype=dtype)
     layered_pool = _pool_copy(pool)
     fused = _decode_steps(model, pool, lengths, tables, item)
     monkeypatch.setattr(native, "_layers", None)
     layered = _decode_steps(model, layered_pool, lengths, tables, item)
     for a, b in zip(fused, layered, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=2e-6)
-    torch.testing.assert_close(pool.k, layered_pool.k, rtol=0, atol=1e-6)
-    torch.testing.assert_close(pool.v, layered_pool.v, rtol=0, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-6 if dtype == torch.float32 else 2e-4)
+    for got, want in ((pool.k, layered_pool.k), (pool.v, layered_pool.v)):
+        if dtype == torch.bfloat16:  # one step of bf16 (8 bits of mantissa) where a rounding tipped
+            torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-30)
+        else:
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     monkeypatch.undo()
-    model, pool, lengths, tables, item = _decode_setup(seed=1)
+    model, pool, lengths, tables, item = _decode_setup(seed=1, dtype=dtype)
     threads = torch.get_num_threads()
     try:
         results = []
