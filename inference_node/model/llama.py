@@ -8,7 +8,9 @@ the KV core): token ``p`` is at slot ``block_table[p // block_size] * block_size
 :meth:`LlamaModel.forward` runs a *ragged batch*: several sequences, each with some new tokens
 at some start position (a prefill's uncached suffix, or one decode token). Projections and MLPs
 run on all new tokens together; attention runs per sequence over its keys gathered from the
-pool, so a prefill whose prefix is cached computes only its new tokens.
+pool, so a prefill whose prefix is cached computes only its new tokens. On the CPU the compiled
+kernels of :mod:`inference_node.model.native` take the decode sizes: a step of decode tokens only
+runs every layer in one call; bf16 there means bf16 weights and keys/values with fp32 arithmetic.
 
 Weights: seeded random by default (nothing is ever downloaded), or a local Hugging Face folder
 (``config.json`` + ``*.safetensors``) with the standard Llama parameter names, its configuration
