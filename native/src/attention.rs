@@ -396,6 +396,22 @@ pub(crate) fn run<E: Elem>(sh: &Shape, q: usize, k: usize, v: usize, out: usize,
     unsafe { range::<E>(sh, q, k, v, out, tables, lengths, lo, hi, per_head, false) }
 }
 
+/// Every sequence's `lengths[i]` keys fit its `width` blocks of `block_size`, and the blocks it
+/// uses are in the pool's `n_blocks`: nothing is read or written outside the pool.
+pub(crate) fn check_tables(tables: &[i64], lengths: &[i64], width: usize, block_size: usize,
+                           n_blocks: usize) -> PyResult<()> {
+    for (i, &len) in lengths.iter().enumerate() {
+        if len < 1 || len as usize > width * block_size {
+            return Err(PyValueError::new_err(format!("sequence {i}: {len} keys do not fit its {width} blocks")));
+        }
+        let used = (len as usize).div_ceil(block_size);
+        if tables[i * width..i * width + used].iter().any(|&b| b < 0 || b as usize >= n_blocks) {
+            return Err(PyValueError::new_err(format!("sequence {i}: a block id outside the pool's {n_blocks}")));
+        }
+    }
+    Ok(())
+}
+
 /// `out[i, h] = softmax(q[i, h] . K_i / sqrt(d)) V_i` for each decode sequence `i` and query head
 /// `h`, with sequence `i`'s first `lengths[i]` keys in the blocks `tables[i, :]` of the pool.
 ///
@@ -415,16 +431,7 @@ pub fn paged_decode_attention(py: Python<'_>, q: usize, k_pool: usize, v_pool: u
     }
     let tables = unsafe { std::slice::from_raw_parts(tables as *const i64, n_seqs * width) };
     let lengths = unsafe { std::slice::from_raw_parts(lengths as *const i64, n_seqs) };
-    for i in 0..n_seqs {
-        let len = lengths[i];
-        if len < 1 || len as usize > width * block_size {
-            return Err(PyValueError::new_err(format!("sequence {i}: {len} keys do not fit its {width} blocks")));
-        }
-        let used = (len as usize).div_ceil(block_size);
-        if tables[i * width..i * width + used].iter().any(|&b| b < 0 || b as usize >= n_blocks) {
-            return Err(PyValueError::new_err(format!("sequence {i}: a block id outside the pool's {n_blocks}")));
-        }
-    }
+    check_tables(tables, lengths, width, block_size, n_blocks)?;
     let sh = Shape { n_seqs, n_heads, n_kv: n_kv_heads, d: head_dim, bs: block_size, width, scale };
     let per_head = n_seqs < threads.max(1) * 2;
     let items = if per_head { sh.n_seqs * sh.n_kv } else { sh.n_seqs };

@@ -232,17 +232,10 @@ pub fn decode_layers(py: Python<'_>, x: usize, weights: Vec<usize>, k_pool: usiz
     let slots = unsafe { std::slice::from_raw_parts(slots as *const i64, m) };
     let tables = unsafe { std::slice::from_raw_parts(tables as *const i64, m * width) };
     let lengths = unsafe { std::slice::from_raw_parts(lengths as *const i64, m) };
+    attention::check_tables(tables, lengths, width, block_size, n_blocks)?;
     for i in 0..m {
-        let len = lengths[i];
-        if len < 1 || len as usize > width * block_size {
-            return Err(PyValueError::new_err(format!("token {i}: {len} keys do not fit its {width} blocks")));
-        }
-        let used = (len as usize).div_ceil(block_size);
-        if tables[i * width..i * width + used].iter().any(|&b| b < 0 || b as usize >= n_blocks) {
-            return Err(PyValueError::new_err(format!("token {i}: a block id outside the pool's {n_blocks}")));
-        }
         // The token's own slot is its last key's: the block its table gives for position len - 1.
-        let pos = len as usize - 1;
+        let pos = lengths[i] as usize - 1;
         let own = tables[i * width + pos / block_size] * block_size as i64 + (pos % block_size) as i64;
         if slots[i] != own {
             return Err(PyValueError::new_err(format!("token {i}: slot {} is not its position's ({own})", slots[i])));
