@@ -58,7 +58,8 @@ def bench_kv_cmd(json_path: JsonOpt = None, quick: QuickOpt = False,
     from kvflow.bench.kv import bench_kv
 
     kw: dict[str, Any] = {"num_blocks": 2_000, "requests": 1_500, "repeats": 2, "capacities": (400,),
-                          "trace_limit": 1_500, "families": ("multi_turn", "scan"), "family_requests": 600} \
+                          "trace_limit": 1_500, "families": ("multi_turn", "scan"), "family_requests": 600,
+                          "floor_requests": 2000} \
         if quick else {"repeats": repeats, "robustness": robustness}
     _run_bench("kv", json_path, lambda say: bench_kv(say=say, trace_path=trace, plot_dir=pathlib.Path(out), **kw))
 

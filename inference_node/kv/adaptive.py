@@ -87,6 +87,7 @@ from typing import TYPE_CHECKING
 
 from inference_node.kv.adaptive_settings import DEMOTED_PRIORITY, FREQUENCY_PRIORITY, RECENCY_PRIORITY, AdaptivePolicy
 from inference_node.kv.eviction import NUM_PRIORITIES
+from inference_node.kv.floor import LruFloor
 from inference_node.kv.lifetables import FREQUENCY_BAND, RECENCY_BAND
 from inference_node.kv.shadows import CLASS_MASK, native_available, tables
 
@@ -195,6 +196,18 @@ class AdaptiveLearner:
         self._life_lookups = 0
         #: Frequency blocks the core lowered to ``DEMOTED_PRIORITY`` because of the tables.
         self.life_demotions = 0
+        #: The floor against LRU (:mod:`inference_node.kv.floor`); None: off.
+        self.floor = LruFloor(c, policy.floor_share, min(policy.floor_blocks, policy.floor_caches * c),
+                              policy.floor_retry) if policy.floor else None
+        #: Set when the floor engages: the core returns every block the policy placed, junk and
+        #: demoted ones too, to 35 (``AdaptiveEviction._revoke(everything=True)``) and clears it.
+        self.floor_due = False
+
+    @property
+    def lru_only(self) -> bool:
+        """The floor holds the cache at plain LRU: every block the policy stores or reuses at 35,
+        no demotion."""
+        return self.floor is not None and self.floor.engaged
 
     # ---------------------------------------------------------------- estimates
 
@@ -222,6 +235,9 @@ class AdaptiveLearner:
         if self._ranks is not None and self._dirty < self.policy.table_every:
             return self._ranks
         pol = self.policy
+        if self.lru_only:
+            self._ranks, self._dirty = [RECENCY_PRIORITY] * NUM_CLASSES, 0
+            return self._ranks
         frequency = FREQUENCY_PRIORITY if self.bands else RECENCY_PRIORITY  # off: LRU (and junk)
         soon = pol.soon_share
         table = [pol.junk_priority if self.probability(c) < pol.junk_probability
@@ -265,6 +281,10 @@ class AdaptiveLearner:
             returning[i] = min(cls - _REUSED_BASE + 2, 6) if cls >= _REUSED_BASE else 1
         self._lru.now = now
         self._shadows(digests, matched)
+        floor = self.floor
+        if floor is not None and floor.step(digests, matched):
+            self._ranks = None
+            self.floor_due = floor.engaged
         life = self.life
         if life is not None:
             self._life_lookups += 1
@@ -437,5 +457,5 @@ class AdaptiveLearner:
             "demotions": self.life_demotions,
             **self.life.describe(self._tick, (self.cache_blocks // 4, self.cache_blocks, 4 * self.cache_blocks))}
         return {"bands": self.bands, "switches": self.switches, "guard_lead": round(self._lead, 4),
-                "life": life,
+                "life": life, "floor": None if self.floor is None else self.floor.describe(),
                 "sample_rate": round(self.sample_below / 256, 4), "classes": classes, "tables": self.tables}

@@ -6,8 +6,9 @@ What it learns and why is :mod:`inference_node.kv.adaptive` (the settings,
 :class:`~inference_node.kv.adaptive.AdaptiveLearner`); this module connects the learner to the
 pool's events and acts on the cache where the learner says so:
 
-* a lookup teaches it (ghosts, the guard's shadows, the life tables); when the guard turns the
-  bands off, every block the policy raised returns to 35 (:meth:`AdaptiveEviction._revoke`);
+* a lookup teaches it (ghosts, the guard's shadows, the life tables, the floor); when the guard
+  turns the bands off, every block the policy raised returns to 35
+  (:meth:`AdaptiveEviction._revoke`); when the floor engages, every block it placed, junk too;
 * a reuse without hints may raise a block, new blocks get the learned priority of their class;
 * before an eviction, the life tables may demote the frequency band's oldest blocks
   (:meth:`AdaptiveEviction.before_eviction`);
@@ -73,7 +74,12 @@ class AdaptiveEviction(EvictionPolicy):
         learner.on_lookup(digests, len(blocks), self._clock(), self._tick)
         if blocks:
             learner.taken(blocks)  # before a revoke: they left their bands as they were
-        if learner.revoke_due:
+        if learner.floor_due:
+            learner.floor_due = learner.revoke_due = False
+            self._revoke(everything=True)
+            if learner.floor is not None:
+                learner.floor.note_missing(self._cached)
+        elif learner.revoke_due:
             learner.revoke_due = False
             self._revoke()
 
@@ -94,18 +100,20 @@ class AdaptiveEviction(EvictionPolicy):
 
     # ------------------------------------------------------------------ acting on the cache
 
-    def _revoke(self) -> None:
+    def _revoke(self, everything: bool = False) -> None:
         """The guard turned the bands off: every block the policy raised above the default
         priority returns to it, at its place in recency (``updated`` for each), as does a block it
-        demoted (``DEMOTED_PRIORITY``), and a duration it gave ends; its junk band stays. Blocks a
-        client's retention config set are left alone."""
+        demoted (``DEMOTED_PRIORITY``), and a duration it gave ends; its junk band stays.
+        ``everything``: the floor engaged — the junk band returns to the default too (the cache is
+        then plain LRU over what it holds). Blocks a client's retention config set are left alone."""
         for b in self._cached.values():
             if b.adaptive_class < 0:
                 continue
             if b.duration is not None:
                 b.duration = None
                 b.expiry_version += 1  # its expiry entry goes stale
-            if b.priority > DEFAULT_PRIORITY or b.priority == DEMOTED_PRIORITY:
+            if b.priority > DEFAULT_PRIORITY or b.priority == DEMOTED_PRIORITY or \
+                    (everything and b.priority != DEFAULT_PRIORITY):
                 old = b.priority
                 self.orders[b.level].rekey(b, DEFAULT_PRIORITY)
                 if not b.ref:
@@ -121,7 +129,7 @@ class AdaptiveEviction(EvictionPolicy):
         recency band. A client's block at 36 is the client's: never demoted."""
         learner = self._learner
         life = learner.life
-        if life is None or not learner.bands:
+        if life is None or not learner.bands or learner.lru_only:
             return
         index = self.orders[GPU]
         k -= index.listed_below(RECENCY_PRIORITY)

@@ -65,6 +65,16 @@ class AdaptivePolicy:
     life_half_events: int = 4096
     #: Lookups between two computations of the tables' estimates.
     life_every: int = 16
+    #: The floor against LRU (:mod:`inference_node.kv.floor`): an exact LRU shadow, and plain LRU
+    #: for the cache once the policy's loss against it, beyond ``floor_share`` of LRU's hits, grows
+    #: by more than ``min(floor_blocks, floor_caches x the cache's blocks)``; the policy runs again
+    #: after ``floor_retry`` x the cache's size in blocks looked up (doubled after each retry that
+    #: lost). Which data chose them: docs/benchmarks.md ("The floor").
+    floor: bool = True
+    floor_share: float = 0.005
+    floor_blocks: float = 1024.0
+    floor_caches: float = 1.0
+    floor_retry: float = 1.0
     #: Keep the ghosts, the guard's shadows and the life tables in the compiled tables of
     #: ``kvflow_native`` when it is installed (the same decisions as the Python ones, call for
     #: call; only faster: :mod:`inference_node.kv.shadows`).
@@ -85,5 +95,7 @@ class AdaptivePolicy:
             raise ValueError("soon_share must be within [0, 1]")
         if self.life_prior_blocks < 0:
             raise ValueError("life_prior_blocks must not be negative")
+        if not 0 <= self.floor_share < 1 or self.floor_blocks < 0 or self.floor_caches < 0 or self.floor_retry <= 0:
+            raise ValueError("floor_share must be within [0, 1), floor_blocks and floor_caches >= 0, floor_retry > 0")
         if self.life_half_events < 1 or self.life_every < 1:
             raise ValueError("life_half_events and life_every must be at least 1")

@@ -179,12 +179,13 @@ def run_lookups_lru(mgr: LruBlockManager, prompts: Sequence[Prompt]) -> int:
 def bench_kv(*, num_blocks: int = 100_000, requests: int = 30_000, repeats: int = 5,
              capacities: Sequence[int] = (1000, 4000, 16000), trace_limit: int | None = None,
              trace_path: str | None = None, families: Sequence[str] = FAMILIES, family_requests: int = 6000,
-             plot_dir: Path | None = None, robustness: bool = True,
+             plot_dir: Path | None = None, robustness: bool = True, floor_requests: int = 8000,
              say: Callable[[str], None] = lambda _m: None) -> BenchResult:
     """See the module docstring; ``trace_path``: a trace in the Mooncake format (default: the
     conversation trace, ``kvflow.traces.default_trace_path``); ``families``: generated workloads
     (``kvflow.sim.workloads.GENERATORS``) replayed beside it; ``plot_dir``: where the PNG goes;
-    ``robustness``: also the second draw of each family and the trace in thirds (Part 2b)."""
+    ``robustness``: also the second draw of each family and the trace in thirds (Part 2b);
+    ``floor_requests``: the length of the adversarial traces the floor is checked on."""
     res = BenchResult("kv")
     say(f"building a stream of {requests:,} requests …")
     prompts = synthetic_stream(requests)
@@ -265,6 +266,8 @@ def bench_kv(*, num_blocks: int = 100_000, requests: int = 30_000, repeats: int 
     if 4000 in capacities:
         res.goals["adaptive_vs_lru_hit_rate_4000"] = ">= 1.4"
 
+    say("the floor on traces built to defeat the policy (kvflow/sim/adversarial.py) …")
+    _floor_into(res, floor_requests)
     say("cost per request of the trace replay: adaptive vs plain priority eviction (interleaved) …")
     main = traces["trace"]
     _adaptive_cost(res, main, 4000 if 4000 in capacities else capacities[0], repeats)
@@ -326,6 +329,20 @@ def _robustness_into(res: BenchResult, trace: Sequence[TraceRequest], families: 
     res.details["robustness"] = cells
 
 
+def _floor_into(res: BenchResult, n: int) -> None:
+    """The floor's cells (``kvflow.sim.adversarial.floor_report``, ``n`` requests per trap) in
+    ``details.floor``; the worst excess over the argued bound as ``ratios.floor_bound_excess_max``
+    (goal: at most 0); the least of its hits against LRU's there as ``floor_vs_lru_min_adversarial``."""
+    from kvflow.sim.adversarial import floor_report
+
+    small = n < 8000  # --quick: smaller caches and windows, so that the traps still turn around
+    cells = floor_report(n=n, capacities=(100, 250) if small else (200, 1000), window=250 if small else 1000)
+    res.details["floor"] = cells
+    res.ratios["floor_bound_excess_max"] = max(c["bound_excess"] for c in cells.values())
+    res.goals["floor_bound_excess_max"] = "<= 0"
+    res.ratios["floor_vs_lru_min_adversarial"] = min(c["floor_vs_lru"] for c in cells.values())
+
+
 def _adaptive_cost(res: BenchResult, main: Sequence[TraceRequest], cap: int, repeats: int) -> None:
     """``ratios.adaptive_cost_vs_priority``: the trace replayed at ``cap`` blocks with the adaptive
     policy and with plain priority eviction (each request's first block pinned), interleaved: a
@@ -348,7 +365,11 @@ def _adaptive_cost(res: BenchResult, main: Sequence[TraceRequest], cap: int, rep
     def replay_python() -> None:
         replay_core(main, prompts, cap, adaptive=AdaptivePolicy(compiled=False))
 
-    subjects: dict[str, Callable[[], float | None]] = {"priority": replay_priority, "adaptive": replay_adaptive}
+    def replay_no_floor() -> None:
+        replay_core(main, prompts, cap, adaptive=AdaptivePolicy(floor=False))
+
+    subjects: dict[str, Callable[[], float | None]] = {"priority": replay_priority, "adaptive": replay_adaptive,
+                                                       "no_floor": replay_no_floor}
     if compiled:
         subjects["python"] = replay_python
     cost = interleaved(subjects, warmup=1 if repeats > 1 else 0, repeats=repeats)
@@ -357,6 +378,7 @@ def _adaptive_cost(res: BenchResult, main: Sequence[TraceRequest], cap: int, rep
     res.ratios["adaptive_cost_vs_priority"] = cost["adaptive"].median / cost["priority"].median
     res.goals["adaptive_cost_vs_priority"] = "<= 1.5"
     res.details["adaptive_tables"] = "compiled" if compiled else "python"
+    res.ratios["adaptive_floor_cost"] = cost["adaptive"].median / cost["no_floor"].median
     if compiled:
         res.figures["adaptive_python_us_per_request"] = cost["python"].median / len(main) * 1e6
         res.ratios["adaptive_python_cost_vs_priority"] = cost["python"].median / cost["priority"].median

@@ -21,8 +21,8 @@ reports the worst loss over any window of ``window`` requests.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 from inference_node.kv.adaptive import AdaptivePolicy
 from inference_node.kv.clock import ManualClock
@@ -114,9 +114,11 @@ def frequency_trap(n: int = 8000, seed: int = 22, capacity: int = 1000, period: 
 ADVERSARIAL = {"junk_trap": junk_trap, "frequency_trap": frequency_trap}
 
 
-def replay_hits(requests: Sequence[SimRequest], capacity: int, adaptive: AdaptivePolicy | None) -> list[int]:
+def replay_hits(requests: Sequence[SimRequest], capacity: int, adaptive: AdaptivePolicy | None,
+                observe: Callable[[int, KVCacheManager], None] | None = None) -> list[int]:
     """Each request's cached prefix, in blocks, replayed through one cache of ``capacity`` blocks
-    (LRU when ``adaptive`` is None; allocate, then free, as ``kvflow.traces.replay_core``)."""
+    (LRU when ``adaptive`` is None; allocate, then free, as ``kvflow.traces.replay_core``).
+    ``observe(i, manager)`` is called after each request's allocation."""
     clock = ManualClock()
     mgr = KVCacheManager(KvCacheConfig(num_gpu_blocks=capacity, block_size=BLOCK_TOKENS, adaptive=adaptive,
                                        max_queued_events=1 << 30), clock=clock)
@@ -129,6 +131,8 @@ def replay_hits(requests: Sequence[SimRequest], capacity: int, adaptive: Adaptiv
             continue
         alloc = mgr.allocate("r", prompt)
         hits.append(alloc.num_cached_tokens // BLOCK_TOKENS)
+        if observe is not None:
+            observe(i, mgr)
         mgr.free("r")
         if i % 256 == 0:
             mgr.drain_events()
@@ -170,3 +174,105 @@ def windowed_deficit(requests: Sequence[SimRequest], capacity: int, policy: Adap
         if cur > worst:
             worst, worst_blocks = cur, blocks
     return Deficit(sum(lru), sum(ours), sum(sizes), worst, worst_blocks, window)
+
+
+@dataclass
+class FloorRun:
+    """A replay through the adaptive policy with its floor (:mod:`inference_node.kv.floor`): each
+    request's hits, and where the floor engaged and let go."""
+
+    hits: list[int]
+    #: Requests at whose lookup the floor engaged (the cache became plain LRU), and let go.
+    engaged_at: list[int] = field(default_factory=list)
+    released_at: list[int] = field(default_factory=list)
+    #: At each engagement, the LRU shadow's blocks the cache did not hold (the most it can cost).
+    missing: list[int] = field(default_factory=list)
+
+    @property
+    def switches(self) -> int:
+        return len(self.engaged_at)
+
+    @property
+    def episodes(self) -> int:
+        """Stretches the policy ran: from the start, and after each time the floor let go."""
+        return 1 + len(self.released_at)
+
+    @property
+    def missing_total(self) -> int:
+        return sum(self.missing)
+
+    def worst_window_excess(self, lru: Sequence[int], window: int, policy: AdaptivePolicy, theta: float,
+                            biggest: int) -> float:
+        """The most that any ``window`` requests' loss against LRU (``lru``: its hits per
+        request) exceeds the floor's bound for that window: ``floor_share`` x LRU's hits in it,
+        ``theta`` (the floor's blocks) + ``biggest`` (one prompt) for each stretch of the policy that touches it,
+        and the missing blocks of each engagement whose stretch of LRU touches it. At most 0
+        when the bound holds."""
+        n = len(self.hits)
+        runs = list(zip([0, *self.released_at], [*self.engaged_at, n - 1], strict=False))
+        floors = list(zip(self.engaged_at, [*self.released_at, n - 1], self.missing, strict=False))
+        worst = float("-inf")
+        for s in range(max(1, n - window + 1)):
+            e = min(n, s + window) - 1
+            loss = sum(lru[s:e + 1]) - sum(self.hits[s:e + 1])
+            bound = policy.floor_share * sum(lru[s:e + 1])
+            bound += sum(theta + biggest for a, b in runs if a <= e and b >= s)
+            bound += sum(m for a, b, m in floors if a <= e and b >= s)
+            worst = max(worst, loss - bound)
+        return worst
+
+
+def replay_floor(requests: Sequence[SimRequest], capacity: int, policy: AdaptivePolicy) -> FloorRun:
+    """:func:`replay_hits` through ``policy`` (its floor on), recording the floor's switches."""
+    run = FloorRun([])
+    state = {"engaged": False}
+
+    def observe(i: int, mgr: KVCacheManager) -> None:
+        learner = mgr.adaptive
+        floor = learner.floor if learner is not None else None
+        if floor is None or floor.engaged == state["engaged"]:
+            return
+        state["engaged"] = floor.engaged
+        if floor.engaged:
+            run.engaged_at.append(i)
+            run.missing.append(floor.missing)
+        else:
+            run.released_at.append(i)
+
+    run.hits = replay_hits(requests, capacity, policy, observe)
+    return run
+
+
+def floor_report(n: int = 8000, capacities: Sequence[int] = (200, 1000), window: int = 1000,
+                 policy: AdaptivePolicy | None = None) -> dict[str, dict[str, float]]:
+    """Each trap at each capacity, with the floor and without: hits against LRU's, the floor's
+    switches, the worst window of ``window`` requests, and the bound's worst excess over any
+    window (at most 0 when the loss stays within what docs/benchmarks.md ("The floor") argues)."""
+    pol = policy or AdaptivePolicy()
+    out: dict[str, dict[str, float]] = {}
+    for name, gen in ADVERSARIAL.items():
+        for cap in capacities:
+            reqs = gen(n, capacity=cap)
+            lru = replay_hits(reqs, cap, None)
+            off = replay_hits(reqs, cap, AdaptivePolicy(floor=False))
+            run = replay_floor(reqs, cap, pol)
+            theta = min(pol.floor_blocks, pol.floor_caches * cap)
+            biggest = max(len(r.keys) for r in reqs)
+            lru_total = sum(lru)
+
+            def worst(hits: Sequence[int]) -> int:
+                diff = [a - b for a, b in zip(lru, hits, strict=True)]
+                cur = best = sum(diff[:window])
+                for i in range(window, len(diff)):
+                    cur += diff[i] - diff[i - window]
+                    best = max(best, cur)
+                return best
+
+            out[f"{name}_{cap}"] = {
+                "lru_hits": lru_total, "floor_vs_lru": sum(run.hits) / lru_total if lru_total else 1.0,
+                "no_floor_vs_lru": sum(off) / lru_total if lru_total else 1.0,
+                "switches": run.switches, "missing_at_switches": run.missing_total,
+                "worst_window_deficit": worst(run.hits), "no_floor_worst_window_deficit": worst(off),
+                "bound_excess": run.worst_window_excess(lru, window, pol, theta, biggest),
+            }
+    return out

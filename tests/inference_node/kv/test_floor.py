@@ -1,0 +1,118 @@
+"""The adaptive policy's floor against LRU (inference_node/kv/floor.py): its exact shadow is the
+core's own LRU, its rule engages and lets go where it says, and on traces built to defeat the
+policy its loss stays within the bound the docs argue."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from inference_node.kv.adaptive import AdaptivePolicy
+from inference_node.kv.floor import ExactLru, LruFloor
+from inference_node.kv.prompt import Prompt
+from kvflow.sim.adversarial import ADVERSARIAL, replay_floor, replay_hits
+from kvflow.sim.request import BLOCK_TOKENS, SimRequest
+
+
+def _prefix_trace(n: int, seed: int) -> list[SimRequest]:
+    """Prompts sharing prefixes at several depths, some asked again soon, some never."""
+    rng = random.Random(seed)
+    roots = [tuple(range(1000 * r, 1000 * r + rng.randint(1, 4))) for r in range(12)]
+    out: list[SimRequest] = []
+    nxt = 10**6
+    for i in range(n):
+        if out and rng.random() < 0.3:
+            keys = rng.choice(out[-40:]).keys
+        else:
+            tail = rng.randint(0, 6)
+            keys = rng.choice(roots) + tuple(range(nxt, nxt + tail))
+            nxt += tail
+        out.append(SimRequest(float(i), keys, 10))
+    return out
+
+
+@pytest.mark.parametrize("capacity", [7, 30, 120])
+def test_the_exact_shadow_hits_what_the_cores_lru_hits_request_by_request(capacity):
+    reqs = _prefix_trace(1500, seed=capacity)
+    core = replay_hits(reqs, capacity, None)
+    shadow = ExactLru(capacity)
+    mine = [0 if len(r.keys) > capacity else shadow.replay(Prompt.from_block_keys(r.keys, BLOCK_TOKENS).digests)
+            for r in reqs]
+    assert mine == core
+    assert sum(core) > 200  # the trace reuses enough for the order of eviction to matter
+
+
+def test_the_shadow_evicts_a_prompts_last_block_first():
+    lru = ExactLru(3)
+    assert lru.replay([b"a", b"b", b"c"]) == 0
+    assert lru.replay([b"d"]) == 0  # evicts c, the oldest: the prompt's blocks were touched c, b, a
+    assert list(lru.keys) == [b"b", b"a", b"d"]
+    assert lru.replay([b"a", b"b", b"c"]) == 2 and b"c" in lru and len(lru) == 3
+
+
+def test_the_floor_engages_once_the_loss_beyond_its_share_exceeds_its_blocks():
+    f = LruFloor(capacity=10, share=0.1, blocks=3, retry=1.0)
+    a, b, c = b"a", b"b", b"c"
+    assert not f.step([a, b, c], 0)  # LRU had nothing either
+    # LRU hits 3 each time; the cache 2: X grows by 1 - 0.3 = 0.7 a lookup
+    steps = [f.step([a, b, c], 2) for _ in range(5)]
+    assert steps == [False, False, False, False, True]  # 4 x 0.7 = 2.8 <= 3 < 3.5
+    assert f.engaged and f.switches == 1 and f.deficit == 5 and f.lru_hits == 15
+    assert f.describe()["engaged"] is True
+
+
+def test_a_policy_ahead_of_lru_moves_the_low_and_is_never_stopped():
+    f = LruFloor(capacity=10, share=0.0, blocks=2, retry=1.0)
+    f.step([b"a", b"b"], 0)
+    for _ in range(50):
+        assert not f.step([b"x", b"y"], 2)  # LRU misses x, y the first time only; the cache hits
+    assert not f.engaged and f.low < 0
+
+
+def test_the_floor_retries_after_a_cache_of_lookups_and_doubles_the_wait_after_a_lost_episode():
+    f = LruFloor(capacity=4, share=0.0, blocks=1, retry=1.0)
+    assert not f.step([b"a", b"b"], 0)
+    assert f.step([b"a", b"b"], 0) and f.engaged  # lost 2 > 1
+    assert f.retry == 8  # the episode lost against where it started: twice the cache
+    for _ in range(3):
+        assert not f.step([b"a", b"b"], 2)
+    assert f.step([b"a", b"b"], 2) and not f.engaged  # 8 blocks looked up: the policy runs again
+    assert f.step([b"a", b"b"], 0) and f.engaged and f.retry == 16  # lost again: doubled again
+    # an episode that ends no worse than where it started restores the first wait
+    h = LruFloor(capacity=4, share=0.0, blocks=1, retry=1.0)
+    h.start = 5.0
+    assert not h.step([b"y"], 0)
+    assert not h.step([b"y"], 0)
+    assert h.step([b"y"], 0) and h.engaged and h.retry == 4
+
+
+def test_settings_refuse_a_floor_that_cannot_work():
+    with pytest.raises(ValueError):
+        AdaptivePolicy(floor_share=1.0)
+    with pytest.raises(ValueError):
+        AdaptivePolicy(floor_retry=0)
+    with pytest.raises(ValueError):
+        AdaptivePolicy(floor_blocks=-1)
+
+
+@pytest.mark.parametrize("settings", [{}, {"floor_blocks": 16.0}, {"floor_blocks": 4.0, "floor_share": 0.0,
+                                                                    "floor_retry": 0.25}])
+@pytest.mark.parametrize(("name", "capacity"), [("junk_trap", 200), ("junk_trap", 1000),
+                                                 ("frequency_trap", 200), ("frequency_trap", 1000)])
+def test_on_traces_built_to_defeat_it_the_loss_stays_within_the_argued_bound(name, capacity, settings):
+    """The bound holds whatever the settings: the defaults (which engage only on the frequency
+    trap at 200 blocks) and two that engage often, so that the retries and their costs count."""
+    reqs = ADVERSARIAL[name](n=8000, capacity=capacity)
+    pol = AdaptivePolicy(**settings)
+    theta = min(pol.floor_blocks, pol.floor_caches * capacity)
+    lru = replay_hits(reqs, capacity, None)
+    run = replay_floor(reqs, capacity, pol)
+    biggest = max(len(r.keys) for r in reqs)
+    loss = sum(lru) - sum(run.hits)
+    assert loss <= pol.floor_share * sum(lru) + run.episodes * (theta + biggest) + run.missing_total
+    assert all(m <= capacity for m in run.missing)
+    # and per window: every window of 1,000 requests within the bound counted in the window
+    assert run.worst_window_excess(lru, 1000, pol, theta, biggest) <= 0
+    if settings or (name, capacity) == ("frequency_trap", 200):
+        assert run.switches >= 1  # it did engage, so the switches' costs are in the bound
