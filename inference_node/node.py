@@ -74,6 +74,9 @@ class NodeSettings(BaseSettings):
         default=True, description="With --adaptive: weigh the frequency band's oldest block against the recency "
                                   "band's by how likely blocks of that band and age are used again (false: the "
                                   "recency band always goes first; docs/kv-core.md).")
+    adaptive_floor: bool = Field(
+        default=True, description="With --adaptive: hand the cache to plain LRU while the policy keeps fewer "
+                                  "hits than an exact LRU shadow beyond the floor's bound (docs/kv-core.md).")
     emit_token_ids: bool = Field(default=False, description="Token ids in stored events.")
     kafka: bool = Field(default=True, description="Publish events to Kafka (false: drop them).")
     api_keys: SecretStr | None = Field(default=None, description="Comma-separated bearer keys (none: open).")
@@ -131,7 +134,7 @@ def build_node(s: NodeSettings, kafka: KafkaSettings | None = None, *, sink: Sin
     url = s.advertise_url or f"http://{s.host}:{s.port}"
     adaptive = AdaptivePolicy(frequency_horizons=s.adaptive_frequency_horizons,
                               soon_share=s.adaptive_soon_share,
-                              life_tables=s.adaptive_life_tables) if s.adaptive else None
+                              life_tables=s.adaptive_life_tables, floor=s.adaptive_floor) if s.adaptive else None
     core = KVCacheManager(KvCacheConfig(
         num_gpu_blocks=s.num_blocks, num_host_blocks=s.host_blocks, block_size=s.block_size,
         secondary_offload_min_priority=s.secondary_offload_min_priority,

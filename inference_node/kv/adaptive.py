@@ -198,7 +198,7 @@ class AdaptiveLearner:
         self.life_demotions = 0
         #: The floor against LRU (:mod:`inference_node.kv.floor`); None: off.
         self.floor = LruFloor(c, policy.floor_share, min(policy.floor_blocks, policy.floor_caches * c),
-                              policy.floor_retry) if policy.floor else None
+                              policy.floor_retry, compiled=policy.compiled) if policy.floor else None
         #: Set when the floor engages: the core returns every block the policy placed, junk and
         #: demoted ones too, to 35 (``AdaptiveEviction._revoke(everything=True)``) and clears it.
         self.floor_due = False

@@ -39,16 +39,18 @@ ever departs from LRU can bound the constant below a switch's cost: a trace can 
 exactly the blocks it kept and LRU did not (docs/kv-core.md, "The floor"). Measured on traces built
 to defeat it: docs/benchmarks.md ("Adaptive eviction").
 
-The reference is LRU on the prompts the cache is asked to look up: blocks a client's retention
+The shadow has a compiled twin (``kvflow_native.ExactLru``, ``native/src/floor.rs``), used with
+the policy's other compiled tables. The reference is LRU on the prompts the cache is asked to look up: blocks a client's retention
 config placed, and blocks a node generates, are not in the shadow.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
+from typing import Any
 
-__all__ = ["ExactLru", "LruFloor"]
+__all__ = ["ExactLru", "LruFloor", "exact_lru"]
 
 
 class ExactLru:
@@ -88,17 +90,33 @@ class ExactLru:
             pop(last=False)
         return hits
 
+    def missing_from(self, cached: Container[bytes]) -> int:
+        """How many of the shadow's keys ``cached`` does not hold."""
+        return sum(1 for d in self.keys if d not in cached)
+
+
+def exact_lru(capacity: int, compiled: bool) -> Any:
+    """The compiled twin (``kvflow_native.ExactLru``, the same answers) when ``compiled`` and the
+    extension has it, else :class:`ExactLru`."""
+    if compiled:
+        try:
+            from kvflow_native import ExactLru as Compiled  # type: ignore[import-not-found,unused-ignore]
+        except ImportError:
+            return ExactLru(capacity)
+        return Compiled(capacity)
+    return ExactLru(capacity)
+
 
 class LruFloor:
     """The floor's state on one cache of ``capacity`` blocks (module docstring): ``share`` and
     ``blocks`` the loss it tolerates, ``retry`` the first wait, in caches' worth of blocks looked
-    up, before the policy runs again."""
+    up, before the policy runs again; ``compiled``: the shadow in ``kvflow_native`` when installed."""
 
     __slots__ = ("blocks", "deficit", "engaged", "lru", "lru_hits", "low", "missing", "retry", "retry_base",
                  "seen", "share", "start", "switches")
 
-    def __init__(self, capacity: int, share: float, blocks: float, retry: float) -> None:
-        self.lru = ExactLru(capacity)
+    def __init__(self, capacity: int, share: float, blocks: float, retry: float, compiled: bool = False) -> None:
+        self.lru = exact_lru(capacity, compiled)
         self.share = share
         self.blocks = blocks
         self.retry_base = max(1, round(retry * self.lru.capacity))
@@ -146,10 +164,10 @@ class LruFloor:
         self.retry = self.retry * 2 if x > self.start else self.retry_base
         return True
 
-    def note_missing(self, cached: object) -> None:
-        """Count the shadow's blocks the cache does not hold (``cached``: supports ``in`` on
-        digests) — the most the switch just made can cost."""
-        self.missing = sum(1 for d in self.lru.keys if d not in cached)  # type: ignore[operator]
+    def note_missing(self, cached: Container[bytes]) -> None:
+        """Count the shadow's blocks the cache does not hold (``cached``: the pool's blocks by
+        digest) — the most the switch just made can cost."""
+        self.missing = self.lru.missing_from(cached)
 
     def describe(self) -> dict[str, object]:
         return {"engaged": self.engaged, "switches": self.switches, "deficit": self.deficit,

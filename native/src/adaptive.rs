@@ -31,9 +31,16 @@ const NIL: u32 = u32::MAX;
 const CLASS_MASK: i64 = 127;
 
 #[derive(Clone, Copy, PartialEq, Eq)]
-struct Key {
+pub(crate) struct Key {
     bytes: [u8; KEY_BYTES],
     len: u8,
+}
+
+impl Key {
+    /// The digest's bytes.
+    pub(crate) fn as_bytes(&self) -> &[u8] {
+        &self.bytes[..self.len as usize]
+    }
 }
 
 impl Hash for Key {
@@ -80,7 +87,7 @@ fn key_of(bytes: &[u8]) -> PyResult<Key> {
 }
 
 #[inline]
-fn key(obj: &Bound<'_, PyAny>) -> PyResult<Key> {
+pub(crate) fn key(obj: &Bound<'_, PyAny>) -> PyResult<Key> {
     key_of(obj.cast::<PyBytes>()?.as_bytes())
 }
 
@@ -103,7 +110,7 @@ fn each<'py>(seq: &Bound<'py, PyAny>, mut f: impl FnMut(usize, &Bound<'py, PyAny
 }
 
 /// The keys of a sequence of digests.
-fn keys_of(seq: &Bound<'_, PyAny>) -> PyResult<Vec<Key>> {
+pub(crate) fn keys_of(seq: &Bound<'_, PyAny>) -> PyResult<Vec<Key>> {
     let mut ks = Vec::new();
     each(seq, |_, d| {
         ks.push(key(d)?);
@@ -141,7 +148,7 @@ struct Node {
 
 /// Keys in order (oldest first) with a value each: an `OrderedDict` with what the shadows use of
 /// it. Nodes live in one vector, linked by index, reused when freed.
-struct Ordered {
+pub(crate) struct Ordered {
     map: Map<u32>,
     nodes: Vec<Node>,
     free: Vec<u32>,
@@ -150,17 +157,17 @@ struct Ordered {
 }
 
 impl Ordered {
-    fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Ordered { map: Map::default(), nodes: Vec::new(), free: Vec::new(), head: NIL, tail: NIL }
     }
 
     #[inline]
-    fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.map.len()
     }
 
     #[inline]
-    fn get(&self, k: &Key) -> Option<u32> {
+    pub(crate) fn get(&self, k: &Key) -> Option<u32> {
         self.map.get(k).copied()
     }
 
@@ -188,7 +195,7 @@ impl Ordered {
 
     /// `d[k] = value` for a key not in the map: it goes to the end.
     #[inline]
-    fn push_new(&mut self, k: Key, value: f64) {
+    pub(crate) fn push_new(&mut self, k: Key, value: f64) {
         let node = Node { key: k, value, prev: NIL, next: NIL };
         let i = match self.free.pop() {
             Some(i) => {
@@ -214,7 +221,7 @@ impl Ordered {
     }
 
     #[inline]
-    fn move_to_end(&mut self, i: u32) {
+    pub(crate) fn move_to_end(&mut self, i: u32) {
         if self.tail != i {
             self.unlink(i);
             self.link_back(i);
@@ -232,7 +239,7 @@ impl Ordered {
 
     /// `d.popitem(last=False)`.
     #[inline]
-    fn pop_front(&mut self) -> Option<(Key, f64)> {
+    pub(crate) fn pop_front(&mut self) -> Option<(Key, f64)> {
         if self.head == NIL {
             return None;
         }
@@ -243,6 +250,19 @@ impl Ordered {
 
     fn front_value(&self) -> Option<f64> {
         if self.head == NIL { None } else { Some(self.nodes[self.head as usize].value) }
+    }
+
+    /// The keys, oldest first.
+    pub(crate) fn keys(&self) -> impl Iterator<Item = &Key> + '_ {
+        let mut i = self.head;
+        std::iter::from_fn(move || {
+            if i == NIL {
+                return None;
+            }
+            let n = &self.nodes[i as usize];
+            i = n.next;
+            Some(&n.key)
+        })
     }
 }
 

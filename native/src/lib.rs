@@ -26,6 +26,7 @@ mod adaptive;
 mod attention;
 mod decode;
 mod elem;
+mod floor;
 mod gemm;
 mod lifetables;
 
@@ -467,6 +468,7 @@ fn kvflow_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<adaptive::LruShadow>()?;
     m.add_class::<adaptive::BandsShadow>()?;
     m.add_class::<lifetables::LifeTables>()?;
+    m.add_class::<floor::ExactLru>()?;
     m.add_function(wrap_pyfunction!(attention::paged_decode_attention, m)?)?;
     m.add_function(wrap_pyfunction!(gemm::small_batch_linear, m)?)?;
     m.add_function(wrap_pyfunction!(decode::decode_layers, m)?)?;

@@ -165,6 +165,7 @@ def test_an_adaptive_node_takes_its_routed_settings_and_shows_what_it_learned(mo
     monkeypatch.setenv("KVFLOW_NODE_ADAPTIVE_FREQUENCY_HORIZONS", "2")
     monkeypatch.setenv("KVFLOW_NODE_ADAPTIVE_SOON_SHARE", "0.3")
     monkeypatch.setenv("KVFLOW_NODE_ADAPTIVE_LIFE_TABLES", "false")
+    monkeypatch.setenv("KVFLOW_NODE_ADAPTIVE_FLOOR", "false")
     node = make_node(adaptive=True)
     try:
         assert node.core.adaptive is not None
@@ -173,10 +174,11 @@ def test_an_adaptive_node_takes_its_routed_settings_and_shows_what_it_learned(mo
         assert node.core.adaptive.policy.life_tables is False and node.core.adaptive.life is None
         stats = TestClient(create_app(node)).get("/v1/kv/stats").json()
         assert stats["adaptive"]["bands"] is True and stats["adaptive"]["switches"] == 0
-        assert stats["adaptive"]["life"] is None
+        assert stats["adaptive"]["life"] is None and stats["adaptive"]["floor"] is None
     finally:
         node.close()
     monkeypatch.delenv("KVFLOW_NODE_ADAPTIVE_LIFE_TABLES")
+    monkeypatch.delenv("KVFLOW_NODE_ADAPTIVE_FLOOR")
     node = make_node(adaptive=True)  # the default: life tables on, their state in the stats
     try:
         stats = TestClient(create_app(node)).get("/v1/kv/stats").json()
@@ -184,5 +186,7 @@ def test_an_adaptive_node_takes_its_routed_settings_and_shows_what_it_learned(mo
         assert life["demotions"] == 0 and life["alive"] == {"recency": 0, "frequency": 0}
         assert set(life["p"]) == {str(node.core.adaptive.cache_blocks * m) for m in (1, 4)} | {
             str(node.core.adaptive.cache_blocks // 4)}
+        floor = stats["adaptive"]["floor"]  # on by default, not engaged on a fresh cache
+        assert floor["engaged"] is False and floor["switches"] == 0 and floor["deficit"] == 0
     finally:
         node.close()

@@ -9,7 +9,8 @@ import random
 import pytest
 
 from inference_node.kv.adaptive import AdaptivePolicy
-from inference_node.kv.floor import ExactLru, LruFloor
+from inference_node.kv.floor import ExactLru, LruFloor, exact_lru
+from inference_node.kv.shadows import native_available
 from inference_node.kv.prompt import Prompt
 from kvflow.sim.adversarial import ADVERSARIAL, replay_floor, replay_hits
 from kvflow.sim.request import BLOCK_TOKENS, SimRequest
@@ -32,22 +33,45 @@ def _prefix_trace(n: int, seed: int) -> list[SimRequest]:
     return out
 
 
+SHADOWS = [False, pytest.param(True, marks=pytest.mark.skipif(not native_available(), reason="no kvflow_native"))]
+
+
+@pytest.mark.parametrize("compiled", SHADOWS)
 @pytest.mark.parametrize("capacity", [7, 30, 120])
-def test_the_exact_shadow_hits_what_the_cores_lru_hits_request_by_request(capacity):
+def test_the_exact_shadow_hits_what_the_cores_lru_hits_request_by_request(capacity, compiled):
     reqs = _prefix_trace(1500, seed=capacity)
     core = replay_hits(reqs, capacity, None)
-    shadow = ExactLru(capacity)
+    shadow = exact_lru(capacity, compiled)
+    assert type(shadow).__module__ == ("kvflow_native" if compiled else "inference_node.kv.floor")
     mine = [0 if len(r.keys) > capacity else shadow.replay(Prompt.from_block_keys(r.keys, BLOCK_TOKENS).digests)
             for r in reqs]
     assert mine == core
     assert sum(core) > 200  # the trace reuses enough for the order of eviction to matter
 
 
-def test_the_shadow_evicts_a_prompts_last_block_first():
-    lru = ExactLru(3)
+@pytest.mark.skipif(not native_available(), reason="no kvflow_native")
+def test_the_compiled_shadow_answers_as_the_reference_call_for_call():
+    rng = random.Random(5)
+    ref, twin = ExactLru(50), exact_lru(50, True)
+    for _ in range(3000):
+        start = rng.randrange(200)
+        digests = [bytes([k % 251]) + k.to_bytes(4, "big") for k in range(start, start + rng.randint(0, 12))]
+        assert twin.replay(digests) == ref.replay(digests)
+        assert len(twin) == len(ref)
+    held = {d: None for d in list(ref.keys)[::3]}
+    assert twin.missing_from(held) == ref.missing_from(held) == len(ref) - len(held)
+    assert all(d in twin for d in ref.keys)
+    with pytest.raises(ValueError):
+        twin.replay([b"x" * 33])  # a digest longer than the core's
+
+
+@pytest.mark.parametrize("compiled", SHADOWS)
+def test_the_shadow_evicts_a_prompts_last_block_first(compiled):
+    lru = exact_lru(3, compiled)
     assert lru.replay([b"a", b"b", b"c"]) == 0
     assert lru.replay([b"d"]) == 0  # evicts c, the oldest: the prompt's blocks were touched c, b, a
-    assert list(lru.keys) == [b"b", b"a", b"d"]
+    assert b"c" not in lru and all(k in lru for k in (b"b", b"a", b"d"))
+    assert lru.missing_from({b"b": 1}) == 2
     assert lru.replay([b"a", b"b", b"c"]) == 2 and b"c" in lru and len(lru) == 3
 
 
