@@ -98,12 +98,15 @@ class ReplayResult:
 def replay_core(trace: Sequence[TraceRequest], prompts: Sequence[Prompt], capacity: int, *,
                 block_size: int = TRACE_BLOCK_TOKENS, adaptive: AdaptivePolicy | None = None,
                 pin_first: bool = False, policy_name: str = "lru",
-                progress: Callable[[int], None] | None = None) -> ReplayResult:
+                progress: Callable[[int], None] | None = None, per_request: list[int] | None = None,
+                observe: Callable[[int, KVCacheManager], None] | None = None) -> ReplayResult:
     """Replay on one cache of ``capacity`` blocks (events are drained and dropped).
 
     ``pin_first``: every request comes with a client's retention config (its first block at
     priority 100, the rest at 35) — plain priority eviction, the cost baseline of the adaptive
-    policy (``kvflow bench kv``'s ``ratios.adaptive_cost_vs_priority``)."""
+    policy (``kvflow bench kv``'s ``ratios.adaptive_cost_vs_priority``). ``per_request``: each
+    request's hits are appended to it; ``observe(i, manager)``: called after each request's
+    allocation (before its blocks are freed)."""
     clock = ManualClock()
     mgr = KVCacheManager(KvCacheConfig(num_gpu_blocks=capacity, block_size=block_size, adaptive=adaptive,
                                        max_queued_events=1 << 30), clock=clock)
@@ -114,10 +117,17 @@ def replay_core(trace: Sequence[TraceRequest], prompts: Sequence[Prompt], capaci
         clock.set(max(clock.now, req.timestamp_s))
         if len(prompt.digests) > capacity:  # cannot fit at all: count as a miss, skip
             total += len(prompt.digests)
+            if per_request is not None:
+                per_request.append(0)
             continue
         alloc = mgr.allocate("r", prompt, retention)
-        hits += alloc.num_cached_tokens // block_size
+        hit = alloc.num_cached_tokens // block_size
+        hits += hit
         total += len(prompt.digests)
+        if per_request is not None:
+            per_request.append(hit)
+        if observe is not None:
+            observe(i, mgr)
         mgr.free("r")
         if i % 256 == 0:
             mgr.drain_events()

@@ -37,11 +37,12 @@ cache's size) for each switch in the window; the switches in a window of ``W`` b
 number at most about ``log2(W / (retry x size)) + 2`` when every retry fails. No online policy that
 ever departs from LRU can bound the constant below a switch's cost: a trace can always ask next for
 exactly the blocks it kept and LRU did not (docs/kv-core.md, "The floor"). Measured on traces built
-to defeat it: docs/benchmarks.md ("Adaptive eviction").
+to defeat it, and which data chose the settings: docs/benchmarks.md ("The floor").
 
 The shadow has a compiled twin (``kvflow_native.ExactLru``, ``native/src/floor.rs``), used with
-the policy's other compiled tables. The reference is LRU on the prompts the cache is asked to look up: blocks a client's retention
-config placed, and blocks a node generates, are not in the shadow.
+the policy's other compiled tables. The reference is LRU on the prompts the cache is asked to look
+up: blocks a client's retention config placed, and blocks a node generates, are not in the
+shadow.
 """
 
 from __future__ import annotations
@@ -112,8 +113,21 @@ class LruFloor:
     ``blocks`` the loss it tolerates, ``retry`` the first wait, in caches' worth of blocks looked
     up, before the policy runs again; ``compiled``: the shadow in ``kvflow_native`` when installed."""
 
-    __slots__ = ("blocks", "deficit", "engaged", "lru", "lru_hits", "low", "missing", "retry", "retry_base",
-                 "seen", "share", "start", "switches")
+    __slots__ = (
+        "blocks",
+        "deficit",
+        "engaged",
+        "low",
+        "lru",
+        "lru_hits",
+        "missing",
+        "retry",
+        "retry_base",
+        "seen",
+        "share",
+        "start",
+        "switches",
+    )
 
     def __init__(self, capacity: int, share: float, blocks: float, retry: float, compiled: bool = False) -> None:
         self.lru = exact_lru(capacity, compiled)

@@ -25,20 +25,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from inference_node.kv.adaptive import AdaptivePolicy
-from inference_node.kv.clock import ManualClock
-from inference_node.kv.manager import KvCacheConfig, KVCacheManager
+from inference_node.kv.manager import KVCacheManager
 from inference_node.kv.prompt import Prompt
+from kvflow.sim.families import _Keys
 from kvflow.sim.request import BLOCK_TOKENS, SimRequest
-
-
-class _Keys:
-    def __init__(self) -> None:
-        self.next = 1 << 44
-
-    def fresh(self, n: int) -> list[int]:
-        out = list(range(self.next, self.next + n))
-        self.next += n
-        return out
+from kvflow.traces import TraceRequest, replay_core
 
 
 def junk_trap(n: int = 8000, seed: int = 21, capacity: int = 1000, period: int = 1000) -> list[SimRequest]:
@@ -53,7 +44,7 @@ def junk_trap(n: int = 8000, seed: int = 21, capacity: int = 1000, period: int =
       stores short prompts in the junk band evicts them before the long ones and misses.
     """
     rng = random.Random(seed)
-    keys = _Keys()
+    keys = _Keys(1 << 44)
     long_pool = [keys.fresh(12) for _ in range(max(8, 4 * capacity // 12 // 2))]
     out: list[SimRequest] = []
     pending: list[tuple[int, list[int]]] = []  # (due request index, short prompt) repeats
@@ -89,7 +80,7 @@ def frequency_trap(n: int = 8000, seed: int = 22, capacity: int = 1000, period: 
       frequency band still holding the cold set leaves them too little room.
     """
     rng = random.Random(seed)
-    keys = _Keys()
+    keys = _Keys(1 << 44)
     out: list[SimRequest] = []
     hot: list[list[int]] = []
     pending: list[tuple[int, list[int]]] = []
@@ -117,25 +108,13 @@ ADVERSARIAL = {"junk_trap": junk_trap, "frequency_trap": frequency_trap}
 def replay_hits(requests: Sequence[SimRequest], capacity: int, adaptive: AdaptivePolicy | None,
                 observe: Callable[[int, KVCacheManager], None] | None = None) -> list[int]:
     """Each request's cached prefix, in blocks, replayed through one cache of ``capacity`` blocks
-    (LRU when ``adaptive`` is None; allocate, then free, as ``kvflow.traces.replay_core``).
-    ``observe(i, manager)`` is called after each request's allocation."""
-    clock = ManualClock()
-    mgr = KVCacheManager(KvCacheConfig(num_gpu_blocks=capacity, block_size=BLOCK_TOKENS, adaptive=adaptive,
-                                       max_queued_events=1 << 30), clock=clock)
+    (LRU when ``adaptive`` is None) by ``kvflow.traces.replay_core``. ``observe(i, manager)`` is
+    called after each request's allocation."""
+    trace = [TraceRequest(r.t, len(r.keys) * BLOCK_TOKENS, r.output_tokens, r.keys) for r in requests]
+    prompts = [Prompt.from_block_keys(r.keys, BLOCK_TOKENS) for r in requests]
     hits: list[int] = []
-    for i, r in enumerate(requests):
-        clock.set(max(clock.now, r.t))
-        prompt = Prompt.from_block_keys(r.keys, BLOCK_TOKENS)
-        if len(prompt.digests) > capacity:
-            hits.append(0)
-            continue
-        alloc = mgr.allocate("r", prompt)
-        hits.append(alloc.num_cached_tokens // BLOCK_TOKENS)
-        if observe is not None:
-            observe(i, mgr)
-        mgr.free("r")
-        if i % 256 == 0:
-            mgr.drain_events()
+    replay_core(trace, prompts, capacity, block_size=BLOCK_TOKENS, adaptive=adaptive, per_request=hits,
+                observe=observe)
     return hits
 
 
@@ -157,6 +136,19 @@ class Deficit:
         return self.hits / self.lru_hits if self.lru_hits else 1.0
 
 
+def _worst_window(lru: Sequence[int], hits: Sequence[int], window: int) -> tuple[int, int]:
+    """The most LRU's hits exceed ``hits`` over any ``window`` consecutive requests, and where
+    that window starts (the first such)."""
+    diff = [a - b for a, b in zip(lru, hits, strict=True)]
+    cur = best = sum(diff[:window])
+    start = 0
+    for i in range(window, len(diff)):
+        cur += diff[i] - diff[i - window]
+        if cur > best:
+            best, start = cur, i - window + 1
+    return best, start
+
+
 def windowed_deficit(requests: Sequence[SimRequest], capacity: int, policy: AdaptivePolicy,
                      window: int) -> Deficit:
     """Replay ``requests`` through LRU and through ``policy`` at ``capacity`` blocks: the totals and
@@ -164,15 +156,8 @@ def windowed_deficit(requests: Sequence[SimRequest], capacity: int, policy: Adap
     lru = replay_hits(requests, capacity, None)
     ours = replay_hits(requests, capacity, policy)
     sizes = [len(r.keys) for r in requests]
-    diff = [a - b for a, b in zip(lru, ours, strict=True)]
-    cur = sum(diff[:window])
-    blocks = sum(sizes[:window])
-    worst, worst_blocks = cur, blocks
-    for i in range(window, len(diff)):
-        cur += diff[i] - diff[i - window]
-        blocks += sizes[i] - sizes[i - window]
-        if cur > worst:
-            worst, worst_blocks = cur, blocks
+    worst, start = _worst_window(lru, ours, window)
+    worst_blocks = sum(sizes[start:start + window])
     return Deficit(sum(lru), sum(ours), sum(sizes), worst, worst_blocks, window)
 
 
@@ -260,19 +245,12 @@ def floor_report(n: int = 8000, capacities: Sequence[int] = (200, 1000), window:
             biggest = max(len(r.keys) for r in reqs)
             lru_total = sum(lru)
 
-            def worst(hits: Sequence[int]) -> int:
-                diff = [a - b for a, b in zip(lru, hits, strict=True)]
-                cur = best = sum(diff[:window])
-                for i in range(window, len(diff)):
-                    cur += diff[i] - diff[i - window]
-                    best = max(best, cur)
-                return best
-
             out[f"{name}_{cap}"] = {
                 "lru_hits": lru_total, "floor_vs_lru": sum(run.hits) / lru_total if lru_total else 1.0,
                 "no_floor_vs_lru": sum(off) / lru_total if lru_total else 1.0,
                 "switches": run.switches, "missing_at_switches": run.missing_total,
-                "worst_window_deficit": worst(run.hits), "no_floor_worst_window_deficit": worst(off),
+                "worst_window_deficit": _worst_window(lru, run.hits, window)[0],
+                "no_floor_worst_window_deficit": _worst_window(lru, off, window)[0],
                 "bound_excess": run.worst_window_excess(lru, window, pol, theta, biggest),
             }
     return out

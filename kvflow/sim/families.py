@@ -22,8 +22,8 @@ from kvflow.sim.request import BLOCK_TOKENS, Labelled, SimRequest, pin
 
 
 class _Keys:
-    def __init__(self) -> None:
-        self.next = 1 << 40  # never collides with trace ids
+    def __init__(self, start: int = 1 << 40) -> None:
+        self.next = start  # never collides with trace ids
 
     def fresh(self, n: int) -> list[int]:
         keys = list(range(self.next, self.next + n))

@@ -10,8 +10,8 @@ import pytest
 
 from inference_node.kv.adaptive import AdaptivePolicy
 from inference_node.kv.floor import ExactLru, LruFloor, exact_lru
-from inference_node.kv.shadows import native_available
 from inference_node.kv.prompt import Prompt
+from inference_node.kv.shadows import native_available
 from kvflow.sim.adversarial import ADVERSARIAL, replay_floor, replay_hits
 from kvflow.sim.request import BLOCK_TOKENS, SimRequest
 
@@ -61,7 +61,7 @@ def test_the_compiled_shadow_answers_as_the_reference_call_for_call():
     held = {d: None for d in list(ref.keys)[::3]}
     assert twin.missing_from(held) == ref.missing_from(held) == len(ref) - len(held)
     assert all(d in twin for d in ref.keys)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="33 bytes"):
         twin.replay([b"x" * 33])  # a digest longer than the core's
 
 
@@ -112,12 +112,9 @@ def test_the_floor_retries_after_a_cache_of_lookups_and_doubles_the_wait_after_a
 
 
 def test_settings_refuse_a_floor_that_cannot_work():
-    with pytest.raises(ValueError):
-        AdaptivePolicy(floor_share=1.0)
-    with pytest.raises(ValueError):
-        AdaptivePolicy(floor_retry=0)
-    with pytest.raises(ValueError):
-        AdaptivePolicy(floor_blocks=-1)
+    for bad in ({"floor_share": 1.0}, {"floor_retry": 0}, {"floor_blocks": -1}, {"floor_caches": -0.5}):
+        with pytest.raises(ValueError, match="floor_share must be within"):
+            AdaptivePolicy(**bad)
 
 
 @pytest.mark.parametrize("settings", [{}, {"floor_blocks": 16.0}, {"floor_blocks": 4.0, "floor_share": 0.0,
