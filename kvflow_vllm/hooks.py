@@ -109,8 +109,8 @@ def unpatch() -> None:
     if _originals:
         setattr(block_pool, QUEUE, _originals.pop("queue"))
         setattr(block_pool, EVENT, _originals.pop("event"))
-        block_pool.BlockPool.cache_full_blocks = _originals.pop("cache_full_blocks")  # type: ignore[method-assign]
-        KVCacheManager.allocate_slots = _originals.pop("allocate_slots")  # type: ignore[method-assign]
+        block_pool.BlockPool.cache_full_blocks = _originals.pop("cache_full_blocks")  # type: ignore[method-assign,unused-ignore]
+        KVCacheManager.allocate_slots = _originals.pop("allocate_slots")  # type: ignore[method-assign,unused-ignore]
 
 
 def patch() -> None:
@@ -153,5 +153,5 @@ def patch() -> None:
                     publish_update(self.block_pool, request, priorities, size, group)
         return out
 
-    block_pool.BlockPool.cache_full_blocks = cache_full_blocks_retained  # type: ignore[method-assign]
-    KVCacheManager.allocate_slots = allocate_slots_retained  # type: ignore[method-assign]
+    block_pool.BlockPool.cache_full_blocks = cache_full_blocks_retained  # type: ignore[method-assign,unused-ignore]
+    KVCacheManager.allocate_slots = allocate_slots_retained  # type: ignore[method-assign,unused-ignore]

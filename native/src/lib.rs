@@ -1,6 +1,6 @@
 //! kvflow's compiled hot paths (`kvflow_native`): the materializer's planner (here), the
 //! adaptive eviction policy's tables (`adaptive.rs`: its ghosts and shadows; `lifetables.rs`: its
-//! life tables) and the node's CPU kernels (`gemm.rs`, `attention.rs`, `decode.rs`, `elem.rs`:
+//! life tables; `floor.rs`: its floor's exact LRU shadow) and the node's CPU kernels (`gemm.rs`, `attention.rs`, `decode.rs`, `elem.rs`:
 //! `inference_node/model/native.py`).
 //!
 //! `BlockStore` holds the `node_blocks` rows of the nodes one materializer worker owns, and plans

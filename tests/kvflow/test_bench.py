@@ -21,7 +21,8 @@ NAMED = {
     # --quick replays the trace at 400 blocks, not 1,000 / 4,000 / 16,000: the per-capacity names differ
     "kv": ["ratios.cost_vs_lru", "ratios.adaptive_vs_lru_hit_rate_min", "ratios.adaptive_vs_lru_hit_rate_400",
            "ratios.adaptive_vs_belady_hit_rate_400", "ratios.adaptive_vs_arc_hit_rate_min",
-           "baseline.arc_hit_rate_400", "baseline.s3fifo_hit_rate_400"],
+           "baseline.arc_hit_rate_400", "baseline.s3fifo_hit_rate_400",
+           "ratios.adaptive_vs_arc_where_arc_gains_min", "ratios.adaptive_floor_cost"],
     "model": ["ratios.prefill_speedup_cached_90pct", "figures.prefill_tokens_per_s", "figures.decode_tokens_per_s"],
     # --quick: the node alone on SmolLM2 (no vLLM), float32, concurrency 1 and 4
     "node": ["figures.kvflow_float32_tokens_per_s_c1", "figures.kvflow_float32_tokens_per_s_c4",
@@ -72,7 +73,11 @@ def run_bench(name: str, tmp_path, env: dict[str, str] | None = None) -> dict:
 
 @pytest.mark.parametrize("name", ["kv", "model"])
 def test_benchmarks_without_services(name, tmp_path):
-    run_bench(name, tmp_path)
+    result = run_bench(name, tmp_path)
+    if name == "kv":  # the floor on the adversarial traps: every window within the argued bound
+        traps = {f"{t}_{c}" for t in ("junk_trap", "frequency_trap") for c in (100, 250)}
+        assert set(result["details"]["floor"]) == traps
+        assert result["ratios"]["floor_bound_excess_max"] <= 0
 
 
 @pytest.mark.integration
