@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 from eventbus.protocol import DEFAULT_PRIORITY, GPU, BlockDigest
 from inference_node.kv.adaptive import (
+    DECODE_CLASSES,
     DEMOTED_PRIORITY,
     FREQUENCY_PRIORITY,
     RECENCY_PRIORITY,
@@ -45,6 +46,14 @@ class AdaptiveEviction(EvictionPolicy):
     def __init__(self, settings: AdaptivePolicy, cache_blocks: int, tiered: bool = False) -> None:
         super().__init__()
         self._learner = AdaptiveLearner(settings, cache_blocks, tiered=tiered)
+        #: Cached generated blocks (no lookup brings them, so the floor's LRU shadow does not
+        #: hold them and leaves room for them), recounted every so many lookups.
+        self._generated = 0
+        self._recount = 0
+
+    def _count_generated(self) -> int:
+        lo, hi = DECODE_CLASSES.start, DECODE_CLASSES.stop
+        return sum(1 for b in self._cached.values() if lo <= b.adaptive_class < hi)
 
     @property
     def learner(self) -> AdaptiveLearner:
@@ -71,7 +80,12 @@ class AdaptiveEviction(EvictionPolicy):
 
     def lookup(self, digests: Sequence[BlockDigest], blocks: Sequence[Block]) -> None:
         learner = self._learner
-        learner.on_lookup(digests, len(blocks), self._clock(), self._tick)
+        if learner.floor is not None:
+            self._recount -= 1
+            if self._recount <= 0:
+                self._generated = self._count_generated()
+                self._recount = max(64, learner.cache_blocks // 16)
+        learner.on_lookup(digests, len(blocks), self._clock(), self._tick, self._generated)
         if blocks:
             learner.taken(blocks)  # before a revoke: they left their bands as they were
         if learner.floor_due:

@@ -39,6 +39,14 @@ ever departs from LRU can bound the constant below a switch's cost: a trace can 
 exactly the blocks it kept and LRU did not (docs/kv-core.md, "The floor"). Measured on traces built
 to defeat it, and which data chose the settings: docs/benchmarks.md ("The floor").
 
+**Beside running requests.** The bound is exact where requests do not overlap (a replay). In a
+node, generated blocks are cached too and no lookup brings them: the core tells the shadow how many
+are cached (recounted every so many lookups) and the shadow keeps that much less, so it does not
+count hits LRU could not have held room for. Blocks other running requests hold cannot be evicted
+in the cache but can in the shadow, which still overestimates LRU a little there (by 1.8 % of its
+hits on the busiest replay of ``tests/inference_node/kv/test_replay_equivalence.py``, four requests
+in flight): there the floor errs toward engaging early.
+
 The shadow has a compiled twin (``kvflow_native.ExactLru``, ``native/src/floor.rs``), used with
 the policy's other compiled tables. The reference is LRU on the prompts the cache is asked to look
 up: blocks a client's retention config placed, and blocks a node generates, are not in the
@@ -71,8 +79,10 @@ class ExactLru:
     def __contains__(self, key: object) -> bool:
         return key in self.keys
 
-    def replay(self, digests: Sequence[bytes]) -> int:
-        """One lookup: its prefix hits; then the prompt's blocks are the newest."""
+    def replay(self, digests: Sequence[bytes], room: int | None = None) -> int:
+        """One lookup: its prefix hits; then the prompt's blocks are the newest. ``room``: hold at
+        most so many blocks after it (the cache less what other requests hold; at most the
+        capacity)."""
         keys = self.keys
         hits = 0
         for d in digests:
@@ -85,7 +95,7 @@ class ExactLru:
                 move(d)
             else:
                 keys[d] = None
-        excess = len(keys) - self.capacity
+        excess = len(keys) - (self.capacity if room is None else max(1, min(room, self.capacity)))
         pop = keys.popitem
         for _ in range(excess if excess > 0 else 0):
             pop(last=False)
@@ -153,10 +163,12 @@ class LruFloor:
         """``X``: the loss against LRU beyond ``share`` of its hits, since the start."""
         return self.deficit - self.share * self.lru_hits
 
-    def step(self, digests: Sequence[bytes], matched: int) -> bool:
-        """One lookup of ``digests``, of which the cache had the first ``matched``. Returns True
-        when the floor engaged or let go on it (the caller then changes the cache's priorities)."""
-        hits = self.lru.replay(digests)
+    def step(self, digests: Sequence[bytes], matched: int, room: int | None = None) -> bool:
+        """One lookup of ``digests``, of which the cache had the first ``matched``; ``room``: the
+        blocks LRU could hold for it now (the cache less the blocks other requests hold; None:
+        all). Returns True when the floor engaged or let go on it (the caller then changes the
+        cache's priorities)."""
+        hits = self.lru.replay(digests, room)
         self.deficit += hits - matched
         self.lru_hits += hits
         x = self.deficit - self.share * self.lru_hits

@@ -31,8 +31,11 @@ impl ExactLru {
         Ok(self.keys.get(&key(digest)?).is_some())
     }
 
-    /// One lookup: its prefix hits; then the prompt's blocks are the newest.
-    fn replay(&mut self, digests: &Bound<'_, PyAny>) -> PyResult<usize> {
+    /// One lookup: its prefix hits; then the prompt's blocks are the newest. `room`: hold at
+    /// most so many blocks after it (the cache less what other requests hold; at most the
+    /// capacity).
+    #[pyo3(signature = (digests, room = None))]
+    fn replay(&mut self, digests: &Bound<'_, PyAny>, room: Option<i64>) -> PyResult<usize> {
         let ks = keys_of(digests)?;
         let cached = &mut self.keys;
         let hits = ks.iter().take_while(|k| cached.get(k).is_some()).count();
@@ -42,7 +45,11 @@ impl ExactLru {
                 None => cached.push_new(*k, 0.0),
             }
         }
-        while cached.len() > self.capacity {
+        let keep = match room {
+            Some(r) => (r.max(1) as usize).min(self.capacity),
+            None => self.capacity,
+        };
+        while cached.len() > keep {
             cached.pop_front();
         }
         Ok(hits)

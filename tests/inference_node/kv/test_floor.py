@@ -9,7 +9,9 @@ import random
 import pytest
 
 from inference_node.kv.adaptive import AdaptivePolicy
+from inference_node.kv.adaptive_eviction import AdaptiveEviction
 from inference_node.kv.floor import ExactLru, LruFloor, exact_lru
+from inference_node.kv.manager import KvCacheConfig, KVCacheManager
 from inference_node.kv.prompt import Prompt
 from inference_node.kv.shadows import native_available
 from kvflow.sim.adversarial import ADVERSARIAL, replay_floor, replay_hits
@@ -137,3 +139,32 @@ def test_on_traces_built_to_defeat_it_the_loss_stays_within_the_argued_bound(nam
     assert run.worst_window_excess(lru, 1000, pol, theta, biggest) <= 0
     if settings or (name, capacity) == ("frequency_trap", 200):
         assert run.switches >= 1  # it did engage, so the switches' costs are in the bound
+
+
+@pytest.mark.parametrize("compiled", SHADOWS)
+def test_the_shadow_keeps_no_more_than_the_room_it_is_given(compiled):
+    lru = exact_lru(10, compiled)
+    lru.replay([bytes([i]) for i in range(10)])
+    assert len(lru) == 10
+    assert lru.replay([b"\x00", b"x"], room=6) == 1 and len(lru) == 6  # the oldest went
+    assert lru.replay([b"y"], room=50) == 0 and len(lru) == 7  # never above the capacity either
+    assert b"x" in lru and b"\x00" in lru
+
+
+def test_the_core_tells_the_floor_how_many_generated_blocks_it_holds():
+    """Generated blocks are cached and no lookup brings them: the floor's shadow leaves room for them."""
+    mgr = KVCacheManager(KvCacheConfig(num_gpu_blocks=64, block_size=4, adaptive=AdaptivePolicy()))
+    mgr.allocate("a", Prompt.from_tokens(list(range(8)), 4))  # 2 prompt blocks
+    for t in range(9):  # 8 generated tokens fill 2 more blocks (and start a third)
+        mgr.append_token("a", 100 + t)
+    mgr.free("a")
+    policy = mgr.policy
+    assert isinstance(policy, AdaptiveEviction)
+    assert policy._count_generated() == 2
+    b = Prompt.from_tokens(list(range(500, 508)), 4)
+    for _ in range(64):  # the count is refreshed every 64 lookups at this size (the first lookup's was 0)
+        mgr.allocate("b", b)
+        mgr.free("b")
+    assert policy._generated == 2  # what the lookups hand the floor: its shadow keeps 62 blocks at most
+    floor = mgr.adaptive.floor
+    assert floor is not None and len(floor.lru) == 4  # a's 2 blocks and b's: LRU holds what was looked up
