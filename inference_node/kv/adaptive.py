@@ -94,7 +94,7 @@ from inference_node.kv.shadows import CLASS_MASK, native_available, tables
 if TYPE_CHECKING:
     from inference_node.kv.block import Block
 
-__all__ = ["DECODE_CLASSES", "DEMOTED_PRIORITY", "FREQUENCY_PRIORITY", "NUM_CLASSES", "RECENCY_PRIORITY",
+__all__ = ["DEMOTED_PRIORITY", "FREQUENCY_PRIORITY", "NUM_CLASSES", "RECENCY_PRIORITY",
            "AdaptiveLearner", "AdaptivePolicy", "BlockContext"]
 
 #: Class ids: 0..31 new prompt blocks, 64..67 decode blocks, 68..71 reused blocks (32..63 unused).
@@ -103,8 +103,6 @@ _REUSE_CLASSES = 4
 _DECODE_BASE = 64
 _REUSED_BASE = 68
 NUM_CLASSES = _REUSED_BASE + _REUSE_CLASSES
-#: The classes of generated (decode) blocks: stored by the node, never looked up as a prompt's.
-DECODE_CLASSES = range(_DECODE_BASE, _REUSED_BASE)
 #: A retention decision: priority, duration (None unless ``frequency_horizons`` is set), class.
 Retention = tuple[int, float | None, int]
 
@@ -272,7 +270,7 @@ class AdaptiveLearner:
         """A prompt was looked up at ``now``: ``matched`` of its blocks were cached (call before
         storing the rest: :meth:`prompt_retention` then knows which of them return as ghosts).
         ``tick``: the pool's release tick now (``Block.last_used`` counts in it); ``held``: the
-        cached blocks no lookup brings (generated ones: the floor's shadow leaves room for them).
+        slots other requests hold with no cached block in them (the floor's shadow leaves them).
 
         Misses on ghosts count as the reuses they would have been; the shadows replay the sampled
         blocks of the same lookup, and the guard compares.

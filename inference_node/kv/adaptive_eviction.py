@@ -24,7 +24,6 @@ from collections.abc import Sequence
 
 from eventbus.protocol import DEFAULT_PRIORITY, GPU, BlockDigest
 from inference_node.kv.adaptive import (
-    DECODE_CLASSES,
     DEMOTED_PRIORITY,
     FREQUENCY_PRIORITY,
     RECENCY_PRIORITY,
@@ -46,14 +45,9 @@ class AdaptiveEviction(EvictionPolicy):
     def __init__(self, settings: AdaptivePolicy, cache_blocks: int, tiered: bool = False) -> None:
         super().__init__()
         self._learner = AdaptiveLearner(settings, cache_blocks, tiered=tiered)
-        #: Cached generated blocks (no lookup brings them, so the floor's LRU shadow does not
-        #: hold them and leaves room for them), recounted every so many lookups.
-        self._generated = 0
-        self._recount = 0
-
-    def _count_generated(self) -> int:
-        lo, hi = DECODE_CLASSES.start, DECODE_CLASSES.stop
-        return sum(1 for b in self._cached.values() if lo <= b.adaptive_class < hi)
+        #: Slots other requests hold with no cached block in them, at the coming lookup (the
+        #: floor's shadow leaves them: :meth:`held`).
+        self._held = 0
 
     @property
     def learner(self) -> AdaptiveLearner:
@@ -78,14 +72,12 @@ class AdaptiveEviction(EvictionPolicy):
 
     # ------------------------------------------------------------------ requests without retention
 
+    def held(self, slots: int) -> None:
+        self._held = slots
+
     def lookup(self, digests: Sequence[BlockDigest], blocks: Sequence[Block]) -> None:
         learner = self._learner
-        if learner.floor is not None:
-            self._recount -= 1
-            if self._recount <= 0:
-                self._generated = self._count_generated()
-                self._recount = max(64, learner.cache_blocks // 16)
-        learner.on_lookup(digests, len(blocks), self._clock(), self._tick, self._generated)
+        learner.on_lookup(digests, len(blocks), self._clock(), self._tick, self._held)
         if blocks:
             learner.taken(blocks)  # before a revoke: they left their bands as they were
         if learner.floor_due:
@@ -96,6 +88,11 @@ class AdaptiveEviction(EvictionPolicy):
         elif learner.revoke_due:
             learner.revoke_due = False
             self._revoke()
+
+    def generated(self, digest: BlockDigest) -> None:
+        floor = self._learner.floor
+        if floor is not None:  # LRU would hold it too: the floor's shadow does
+            floor.lru.touch(digest)
 
     def reused(self, blocks: Sequence[Block]) -> None:
         on_reuse = self._learner.on_reuse

@@ -139,6 +139,8 @@ class KVCacheManager:
         n_matched = len(blocks)
         n_onboard = len(onboard)
         new_slots = pool.onboard(onboard, slots) if onboard else slots
+        # slots in use that hold no cached block, beyond this request's own new ones
+        policy.held(sum(pool.used_blocks) - len(pool.cached) - (n_blocks - n_matched))
         policy.lookup(digests, blocks)
         if retention is not None:
             self._reprioritize(blocks, retention, num_tokens)
@@ -208,6 +210,7 @@ class KVCacheManager:
                     req.retention, idx * bs, req.prompt.num_tokens, idx, len(req.prompt.digests), 0)
                 pool.cache_block(block, digest, parent, req.prompt.lora_id, prio, dur,
                                  toks if self.config.emit_token_ids else None)
+                self._policy.generated(digest)
         copies, pool.copies = pool.copies, []
         return block.slot, copies
 

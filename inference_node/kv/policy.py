@@ -192,6 +192,10 @@ class EvictionPolicy:
 
     # ------------------------------------------------------------------ requests without retention
 
+    def held(self, slots: int) -> None:
+        """Before a :meth:`lookup`: the slots other requests hold now with no cached block in them
+        (their unfinished blocks)."""
+
     def lookup(self, digests: Sequence[BlockDigest], blocks: Sequence[Block]) -> None:
         """A prompt of ``digests`` was looked up; ``blocks``, its cached prefix, are now in use
         (called before its new blocks are stored)."""
@@ -207,6 +211,9 @@ class EvictionPolicy:
     def new_block(self, index: int, prompt_blocks: int, matched: int, is_decode: bool) -> Retention:
         """The retention of one new block (generated tokens) of a request without a config."""
         return _DEFAULT
+
+    def generated(self, digest: BlockDigest) -> None:
+        """A block a running request filled was cached under ``digest`` (no lookup brought it)."""
 
 
 class PriorityRetention(EvictionPolicy):

@@ -32,8 +32,8 @@ impl ExactLru {
     }
 
     /// One lookup: its prefix hits; then the prompt's blocks are the newest. `room`: hold at
-    /// most so many blocks after it (the cache less what other requests hold; at most the
-    /// capacity).
+    /// most so many blocks after it (the cache less the slots other requests hold with no cached
+    /// block in them; at most the capacity).
     #[pyo3(signature = (digests, room = None))]
     fn replay(&mut self, digests: &Bound<'_, PyAny>, room: Option<i64>) -> PyResult<usize> {
         let ks = keys_of(digests)?;
@@ -53,6 +53,19 @@ impl ExactLru {
             cached.pop_front();
         }
         Ok(hits)
+    }
+
+    /// A block stored without a lookup (a generated one): the newest, as LRU would hold it.
+    fn touch(&mut self, digest: &Bound<'_, PyAny>) -> PyResult<()> {
+        let k = key(digest)?;
+        match self.keys.get(&k) {
+            Some(i) => self.keys.move_to_end(i),
+            None => self.keys.push_new(k, 0.0),
+        }
+        while self.keys.len() > self.capacity {
+            self.keys.pop_front();
+        }
+        Ok(())
     }
 
     /// How many of the shadow's keys `cached` (anything `in` works on: the pool's blocks by

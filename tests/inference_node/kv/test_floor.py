@@ -9,7 +9,6 @@ import random
 import pytest
 
 from inference_node.kv.adaptive import AdaptivePolicy
-from inference_node.kv.adaptive_eviction import AdaptiveEviction
 from inference_node.kv.floor import ExactLru, LruFloor, exact_lru
 from inference_node.kv.manager import KvCacheConfig, KVCacheManager
 from inference_node.kv.prompt import Prompt
@@ -142,29 +141,28 @@ def test_on_traces_built_to_defeat_it_the_loss_stays_within_the_argued_bound(nam
 
 
 @pytest.mark.parametrize("compiled", SHADOWS)
-def test_the_shadow_keeps_no_more_than_the_room_it_is_given(compiled):
-    lru = exact_lru(10, compiled)
-    lru.replay([bytes([i]) for i in range(10)])
-    assert len(lru) == 10
-    assert lru.replay([b"\x00", b"x"], room=6) == 1 and len(lru) == 6  # the oldest went
-    assert lru.replay([b"y"], room=50) == 0 and len(lru) == 7  # never above the capacity either
-    assert b"x" in lru and b"\x00" in lru
+def test_a_generated_block_is_the_shadows_newest(compiled):
+    lru = exact_lru(3, compiled)
+    lru.replay([b"a", b"b"])
+    lru.touch(b"g")  # stored without a lookup, as LRU holds it
+    lru.touch(b"h")  # the oldest, b (the prompt's last block), leaves
+    assert b"b" not in lru and all(k in lru for k in (b"a", b"g", b"h")) and len(lru) == 3
+    lru.touch(b"a")
+    assert lru.replay([b"g", b"h"]) == 2 and b"a" in lru
 
 
-def test_the_core_tells_the_floor_how_many_generated_blocks_it_holds():
-    """Generated blocks are cached and no lookup brings them: the floor's shadow leaves room for them."""
+def test_the_core_hands_the_floor_every_generated_block_it_caches():
+    """Generated blocks are cached and no lookup brings them: the floor's shadow holds them as LRU
+    would, and a later prompt that continues the answer hits them there too."""
     mgr = KVCacheManager(KvCacheConfig(num_gpu_blocks=64, block_size=4, adaptive=AdaptivePolicy()))
-    mgr.allocate("a", Prompt.from_tokens(list(range(8)), 4))  # 2 prompt blocks
-    for t in range(9):  # 8 generated tokens fill 2 more blocks (and start a third)
-        mgr.append_token("a", 100 + t)
+    prompt = list(range(8))  # 2 prompt blocks
+    mgr.allocate("a", Prompt.from_tokens(prompt, 4))
+    answer = [100 + t for t in range(9)]  # 8 generated tokens fill 2 more blocks (and start a third)
+    for t in answer:
+        mgr.append_token("a", t)
     mgr.free("a")
-    policy = mgr.policy
-    assert isinstance(policy, AdaptiveEviction)
-    assert policy._count_generated() == 2
-    b = Prompt.from_tokens(list(range(500, 508)), 4)
-    for _ in range(64):  # the count is refreshed every 64 lookups at this size (the first lookup's was 0)
-        mgr.allocate("b", b)
-        mgr.free("b")
-    assert policy._generated == 2  # what the lookups hand the floor: its shadow keeps 62 blocks at most
     floor = mgr.adaptive.floor
-    assert floor is not None and len(floor.lru) == 4  # a's 2 blocks and b's: LRU holds what was looked up
+    assert floor is not None and len(floor.lru) == 4
+    follow_up = Prompt.from_tokens(prompt + answer[:8] + [7, 7, 7, 7], 4)  # the next turn: 5 blocks
+    mgr.allocate("b", follow_up)
+    assert floor.lru_hits == 4 and floor.deficit == 0  # LRU hits what the cache hits: 4 blocks

@@ -4,8 +4,8 @@ family, in ten settings (plain LRU, client priorities with durations, host tiers
 policy with compiled and Python tables, routed settings, caches too small for some requests),
 give the digests recorded with the earlier core (``replay_golden.json``; how:
 ``replay_equivalence.py``). One digest was recorded again since, on purpose: agentic in the tight
-adaptive setting, where the floor against LRU (2026-12-07, ``inference_node/kv/floor.py``) engages
-once — with ``floor=False`` that replay still gives the old digest. The floor's own counters are
+adaptive setting (160 blocks), where the floor against LRU (2026-12-07, ``inference_node/kv/floor.py``)
+engages — with ``floor=False`` that replay still gives the old digest. The floor's own counters are
 left out of the learned state that is hashed."""
 
 from __future__ import annotations
