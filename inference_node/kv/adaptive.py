@@ -163,7 +163,7 @@ class AdaptiveLearner:
         self.sample_below = max(1, round(256 * rate))
         self.shadow_capacity = max(1, round(c * self.sample_below / 256))
         self._stats = [_ClassStats() for _ in range(NUM_CLASSES)]
-        ghost_fifo, lru_shadow, bands_shadow, life_tables = tables(policy.compiled)
+        ghost_fifo, lru_shadow, bands_shadow, life_tables, exact_lru = tables(policy.compiled)
         #: Which tables hold the state: ``compiled`` (``kvflow_native``) or ``python``.
         self.tables = "compiled" if policy.compiled and native_available() else "python"
         #: digest -> class, with soon_share also its last use: ``last_used << 7 | class``
@@ -198,7 +198,7 @@ class AdaptiveLearner:
         self.life_demotions = 0
         #: The floor against LRU (:mod:`inference_node.kv.floor`); None: off.
         self.floor = LruFloor(c, policy.floor_share, min(policy.floor_blocks, policy.floor_caches * c),
-                              policy.floor_retry, compiled=policy.compiled) if policy.floor else None
+                              policy.floor_retry, exact_lru) if policy.floor else None
         #: Set when the floor engages: the core returns every block the policy placed, junk and
         #: demoted ones too, to 35 (``AdaptiveEviction._revoke(everything=True)``) and clears it.
         self.floor_due = False

@@ -49,9 +49,9 @@ counts 0.08 % more hits for LRU than an LRU core keeps at 600 blocks and 3.5 % m
 the floor errs toward engaging early.
 
 The shadow has a compiled twin (``kvflow_native.ExactLru``, ``native/src/floor.rs``), used with
-the policy's other compiled tables. The reference is LRU on the prompts the cache is asked to look
-up: blocks a client's retention config placed, and blocks a node generates, are not in the
-shadow.
+the policy's other compiled tables. The reference is LRU on every block the cache is asked for or
+fills; a client's retention config places its blocks outside it (the floor moves only the blocks
+the policy placed).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ from collections import OrderedDict
 from collections.abc import Container, Sequence
 from typing import Any
 
-__all__ = ["ExactLru", "LruFloor", "exact_lru"]
+__all__ = ["ExactLru", "LruFloor"]
 
 
 class ExactLru:
@@ -117,22 +117,11 @@ class ExactLru:
         return sum(1 for d in self.keys if d not in cached)
 
 
-def exact_lru(capacity: int, compiled: bool) -> Any:
-    """The compiled twin (``kvflow_native.ExactLru``, the same answers) when ``compiled`` and the
-    extension has it, else :class:`ExactLru`."""
-    if compiled:
-        try:
-            from kvflow_native import ExactLru as Compiled  # type: ignore[import-not-found,unused-ignore]
-        except ImportError:
-            return ExactLru(capacity)
-        return Compiled(capacity)
-    return ExactLru(capacity)
-
-
 class LruFloor:
     """The floor's state on one cache of ``capacity`` blocks (module docstring): ``share`` and
     ``blocks`` the loss it tolerates, ``retry`` the first wait, in caches' worth of blocks looked
-    up, before the policy runs again; ``compiled``: the shadow in ``kvflow_native`` when installed."""
+    up, before the policy runs again; ``shadow``: the class of the exact shadow (:class:`ExactLru`,
+    or its compiled twin: :func:`inference_node.kv.shadows.tables`)."""
 
     __slots__ = (
         "blocks",
@@ -150,8 +139,8 @@ class LruFloor:
         "switches",
     )
 
-    def __init__(self, capacity: int, share: float, blocks: float, retry: float, compiled: bool = False) -> None:
-        self.lru = exact_lru(capacity, compiled)
+    def __init__(self, capacity: int, share: float, blocks: float, retry: float, shadow: Any = ExactLru) -> None:
+        self.lru = shadow(capacity)
         self.share = share
         self.blocks = blocks
         self.retry_base = max(1, round(retry * self.lru.capacity))
@@ -181,7 +170,7 @@ class LruFloor:
         hits = self.lru.replay(digests, room)
         self.deficit += hits - matched
         self.lru_hits += hits
-        x = self.deficit - self.share * self.lru_hits
+        x = self.excess
         if self.engaged:
             self.seen += len(digests)
             if self.seen < self.retry:

@@ -16,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from inference_node.kv.floor import ExactLru
 from inference_node.kv.lifetables import LifeTables
 
 if TYPE_CHECKING:
@@ -25,7 +26,7 @@ try:
     import kvflow_native as _native
 except ImportError:  # pure Python
     _native = None
-if _native is not None and not hasattr(_native, "LifeTables"):  # an older build of the extension
+if _native is not None and not hasattr(_native, "ExactLru"):  # an older build of the extension
     _native = None
 
 #: A ghost's class in the low 7 bits of its value (with ``soon_share``, its last use above them).
@@ -44,14 +45,17 @@ class Tables(NamedTuple):
     lru: Any
     bands: Any
     life: Any
+    #: the floor's exact LRU shadow (:class:`~inference_node.kv.floor.ExactLru`)
+    exact: Any
 
 
 def tables(compiled: bool) -> Tables:
     """The compiled classes when ``compiled`` and they are installed, else the Python ones
-    (``GhostFifo``, ``LruShadow``, ``BandsShadow`` here and ``LifeTables``)."""
+    (``GhostFifo``, ``LruShadow``, ``BandsShadow`` here, ``LifeTables`` and ``ExactLru``)."""
     if compiled and _native is not None:
-        return Tables(_native.GhostFifo, _native.LruShadow, _native.BandsShadow, _native.LifeTables)
-    return Tables(GhostFifo, LruShadow, BandsShadow, LifeTables)
+        return Tables(_native.GhostFifo, _native.LruShadow, _native.BandsShadow, _native.LifeTables,
+                      _native.ExactLru)
+    return Tables(GhostFifo, LruShadow, BandsShadow, LifeTables, ExactLru)
 
 
 def _sample(digests: Sequence[bytes], matched: int, below: int) -> tuple[list[bytes], int]:

@@ -9,10 +9,10 @@ import random
 import pytest
 
 from inference_node.kv.adaptive import AdaptivePolicy
-from inference_node.kv.floor import ExactLru, LruFloor, exact_lru
+from inference_node.kv.floor import ExactLru, LruFloor
 from inference_node.kv.manager import KvCacheConfig, KVCacheManager
 from inference_node.kv.prompt import Prompt
-from inference_node.kv.shadows import native_available
+from inference_node.kv.shadows import native_available, tables
 from kvflow.sim.adversarial import ADVERSARIAL, replay_floor, replay_hits
 from kvflow.sim.request import BLOCK_TOKENS, SimRequest
 
@@ -42,7 +42,7 @@ SHADOWS = [False, pytest.param(True, marks=pytest.mark.skipif(not native_availab
 def test_the_exact_shadow_hits_what_the_cores_lru_hits_request_by_request(capacity, compiled):
     reqs = _prefix_trace(1500, seed=capacity)
     core = replay_hits(reqs, capacity, None)
-    shadow = exact_lru(capacity, compiled)
+    shadow = tables(compiled).exact(capacity)
     assert type(shadow).__module__ == ("kvflow_native" if compiled else "inference_node.kv.floor")
     mine = [0 if len(r.keys) > capacity else shadow.replay(Prompt.from_block_keys(r.keys, BLOCK_TOKENS).digests)
             for r in reqs]
@@ -53,7 +53,7 @@ def test_the_exact_shadow_hits_what_the_cores_lru_hits_request_by_request(capaci
 @pytest.mark.skipif(not native_available(), reason="no kvflow_native")
 def test_the_compiled_shadow_answers_as_the_reference_call_for_call():
     rng = random.Random(5)
-    ref, twin = ExactLru(50), exact_lru(50, True)
+    ref, twin = ExactLru(50), tables(True).exact(50)
     for _ in range(3000):
         start = rng.randrange(200)
         digests = [bytes([k % 251]) + k.to_bytes(4, "big") for k in range(start, start + rng.randint(0, 12))]
@@ -68,7 +68,7 @@ def test_the_compiled_shadow_answers_as_the_reference_call_for_call():
 
 @pytest.mark.parametrize("compiled", SHADOWS)
 def test_the_shadow_evicts_a_prompts_last_block_first(compiled):
-    lru = exact_lru(3, compiled)
+    lru = tables(compiled).exact(3)
     assert lru.replay([b"a", b"b", b"c"]) == 0
     assert lru.replay([b"d"]) == 0  # evicts c, the oldest: the prompt's blocks were touched c, b, a
     assert b"c" not in lru and all(k in lru for k in (b"b", b"a", b"d"))
@@ -142,7 +142,7 @@ def test_on_traces_built_to_defeat_it_the_loss_stays_within_the_argued_bound(nam
 
 @pytest.mark.parametrize("compiled", SHADOWS)
 def test_a_generated_block_is_the_shadows_newest(compiled):
-    lru = exact_lru(3, compiled)
+    lru = tables(compiled).exact(3)
     lru.replay([b"a", b"b"])
     lru.touch(b"g")  # stored without a lookup, as LRU holds it
     lru.touch(b"h")  # the oldest, b (the prompt's last block), leaves

@@ -19,6 +19,7 @@ import pytest
 from inference_node.kv.adaptive import AdaptivePolicy
 from inference_node.kv.block import Block
 from inference_node.kv.clock import ManualClock
+from inference_node.kv.floor import ExactLru
 from inference_node.kv.lifetables import LifeTables
 from inference_node.kv.manager import KvCacheConfig, KVCacheManager
 from inference_node.kv.prompt import Prompt
@@ -31,7 +32,7 @@ if not native_available():
         pytest.fail("kvflow_native is not installed (make install builds it)", pytrace=False)
     pytest.skip("kvflow_native is not installed (pip install ./native)", allow_module_level=True)
 
-NativeGhosts, NativeLru, NativeBands, NativeLife = tables(True)
+NativeGhosts, NativeLru, NativeBands, NativeLife, NativeExact = tables(True)
 
 
 def keys(rng: random.Random, universe: int) -> list[bytes]:
@@ -50,8 +51,9 @@ def block(digest: bytes, cls: int, last_used: int) -> Block:
 
 
 def test_the_tables_are_the_compiled_ones():
-    assert (NativeGhosts, NativeLru, NativeBands, NativeLife) != (GhostFifo, LruShadow, BandsShadow, LifeTables)
-    assert tables(False) == (GhostFifo, LruShadow, BandsShadow, LifeTables)
+    assert (NativeGhosts, NativeLru, NativeBands, NativeLife, NativeExact) != (
+        GhostFifo, LruShadow, BandsShadow, LifeTables, ExactLru)
+    assert tables(False) == (GhostFifo, LruShadow, BandsShadow, LifeTables, ExactLru)
 
 
 @pytest.mark.parametrize("soon", [False, True])
