@@ -48,7 +48,7 @@ continued an earlier prompt (a prefix hit beyond the first block), its distance 
 end (0, 1, 2–3, 4+ blocks) and the prompt's size (≤ 4, ≤ 16, ≤ 64, > 64 blocks); generated blocks
 by prompt size; reused blocks by how often they were reused (1, 2, 3–5, 6+). Per class the policy
 counts reuses and blocks that left unused (evicted, then never asked for while remembered as a
-ghost: ``ghost_capacity``), forgetting old observations (``decay``); a class whose reuse
+ghost: ``ghost_caches`` x the cache, 3.5), forgetting old observations (``decay``); a class whose reuse
 probability is below ``junk_probability`` is junk.
 
 **The guard.** A sampled shadow (SHARDS-style spatial sampling, Waldspurger et al., FAST 2015: a
@@ -65,7 +65,7 @@ comes, which delays a switch back a little). Measurements behind these choices:
 docs/research/2026-12-adaptive-guard.md.
 
 Its state is bounded: per-class counters, the ghosts (``ghost_capacity``), the shadows (about
-``shadow_sample_blocks`` blocks each; the bands' shadow remembers 4 x as many ghosts).
+``shadow_sample_blocks`` blocks each; the bands' shadow remembers ``ghost_caches`` x as many ghosts).
 Deterministic: the same calls give the same decisions. It only ever *raises* a reused block (a
 client's system prompt pinned at 100 stays).
 
@@ -157,7 +157,7 @@ class AdaptiveLearner:
         self.policy = policy
         c = max(1, cache_blocks)
         self.cache_blocks = c
-        self.ghost_capacity = policy.ghost_capacity or 4 * c
+        self.ghost_capacity = policy.ghost_capacity or max(1, round(policy.ghost_caches * c))
         rate = min(1.0, policy.shadow_sample_blocks / c)
         #: A digest is sampled when its first byte is below this (256: every digest).
         self.sample_below = max(1, round(256 * rate))

@@ -34,8 +34,12 @@ class AdaptivePolicy:
     #: Exponential forgetting of old observations (1.0 = keep all), per observation of a class.
     decay: float = 0.99
     #: Evicted blocks remembered for the classes' counts (digest -> class), so that a later miss
-    #: on one counts as the reuse it would have been. In blocks; 0 = 4 x the cache.
+    #: on one counts as the reuse it would have been. In blocks; 0 = ``ghost_caches`` x the cache.
     ghost_capacity: int = 0
+    #: The ghosts in caches' worth of blocks (when ``ghost_capacity`` is 0): a block that returns
+    #: later than that after its eviction counts as one that left unused. Which data chose it:
+    #: docs/benchmarks.md ("Which data chose the defaults").
+    ghost_caches: float = 3.5
     #: The sampled blocks each shadow aims to hold: the sampling rate is
     #: ``min(1, shadow_sample_blocks / capacity)``.
     shadow_sample_blocks: int = 2048
@@ -93,6 +97,8 @@ class AdaptivePolicy:
             raise ValueError("frequency_horizons must not be negative")
         if not 0 <= self.soon_share <= 1:
             raise ValueError("soon_share must be within [0, 1]")
+        if self.ghost_capacity < 0 or self.ghost_caches <= 0:
+            raise ValueError("ghost_capacity must not be negative, ghost_caches must be positive")
         if self.life_prior_blocks < 0:
             raise ValueError("life_prior_blocks must not be negative")
         if not 0 <= self.floor_share < 1 or self.floor_blocks < 0 or self.floor_caches < 0 or self.floor_retry <= 0:

@@ -21,7 +21,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 
@@ -62,18 +62,22 @@ class Setting:
     hinted: bool = False
 
 
+#: The adaptive policy the digests were recorded with: the defaults of the time (the ghosts were
+#: 4 caches' worth until 2026-12-07, when 3.5 became the default; with 4.0 every digest is the same).
+_RECORDED = AdaptivePolicy(ghost_caches=4.0)
+
 SETTINGS: dict[str, Setting] = {
     "lru": Setting(),
     "priority": Setting(hinted=True),
     "priority_host": Setting(host_blocks=CAPACITY // 2, hinted=True),
-    "adaptive": Setting(adaptive=AdaptivePolicy()),
-    "adaptive_python": Setting(adaptive=AdaptivePolicy(compiled=False)),
-    "adaptive_host": Setting(host_blocks=CAPACITY // 2, adaptive=AdaptivePolicy()),
-    "adaptive_routed": Setting(adaptive=AdaptivePolicy(frequency_horizons=2.0, soon_share=0.3)),
-    "adaptive_hinted": Setting(adaptive=AdaptivePolicy(), hinted=True),
+    "adaptive": Setting(adaptive=_RECORDED),
+    "adaptive_python": Setting(adaptive=replace(_RECORDED, compiled=False)),
+    "adaptive_host": Setting(host_blocks=CAPACITY // 2, adaptive=_RECORDED),
+    "adaptive_routed": Setting(adaptive=replace(_RECORDED, frequency_horizons=2.0, soon_share=0.3)),
+    "adaptive_hinted": Setting(adaptive=_RECORDED, hinted=True),
     # Small caches: requests refused (OutOfBlocks) and blocks given back by a failed admission.
     "priority_tight": Setting(capacity=160, host_blocks=40, hinted=True),
-    "adaptive_tight": Setting(capacity=160, adaptive=AdaptivePolicy()),
+    "adaptive_tight": Setting(capacity=160, adaptive=_RECORDED),
 }
 
 
