@@ -34,7 +34,7 @@ again at it or later, among all that reached it, the blocks evictable now includ
 the frequency band's oldest to ``DEMOTED_PRIORITY`` (34), where eviction takes it first, when its
 ``P`` is the lower (``updated`` events; a revoke returns them to 35). Where frequency pays, old
 frequency blocks keep a high ``P`` and the bands stay strict (the conversation trace at 4,000
-blocks: 1.69 x LRU, strict bands 1.73 x); where it does not, they go first, as in LRU
+blocks, ghosts of 4 caches: 1.69 x LRU, strict bands 1.73 x); where it does not, they go first, as in LRU
 (shifting_mix at 16,000 blocks: 1.0001 x LRU, where strict bands lost 0.17 %). An age with little
 evidence inherits the estimate of the ages below it (``life_prior_blocks``), and old counts fade
 (``life_half_events``).
