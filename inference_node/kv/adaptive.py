@@ -60,9 +60,21 @@ the sampled blocks, the bands are turned off: every block in the frequency band 
 (``AdaptiveEviction._revoke``) and reused ones stay at 35 — LRU, with only the junk band left.
 While they are off, the shadow is one of the bands (a probationary and a protected LRU list, the
 probationary one evicted first, with ghosts), and the bands return when it leads the cache by the
-same margin. One shadow runs at a time (the other keeps what it held; it is stale when its turn
-comes, which delays a switch back a little). Measurements behind these choices:
+same margin. One of these two shadows runs at a time (the other keeps what it held; it is stale
+when its turn comes, which delays a switch back a little). Measurements behind these choices:
 docs/research/2026-12-adaptive-guard.md.
+
+**The life tables' guard** (``strict_guard``). The life tables demote old frequency blocks when
+their estimate says a recency block is likelier to be used again; the estimate learns from what
+the cache keeps, so blocks it demotes early are never seen reused old, and where old frequency
+blocks do pay (many tenants' prefixes in a small cache) it keeps demoting them. While the bands
+are on, a third shadow (strict bands, sampled the same way, its own ghosts) replays every lookup,
+and when it leads the cache by the guard's margin (the same moving average) the tables stop
+demoting: *strict bands*. When the cache then falls behind the LRU shadow by the margin, the
+tables demote again, and strict bands may return only after a hold (1 / ``guard_rate`` lookups,
+doubled after each strict stretch shorter than the hold before it), in which the LRU guard can
+turn the bands off if the cache stays behind LRU. Measured:
+docs/research/2026-12-adaptive-strict-guard.md.
 
 Its state is bounded: per-class counters, the ghosts (``ghost_capacity``), the shadows (about
 ``shadow_sample_blocks`` blocks each; the bands' shadow remembers ``ghost_caches`` x as many ghosts).
@@ -89,7 +101,7 @@ from inference_node.kv.adaptive_settings import DEMOTED_PRIORITY, FREQUENCY_PRIO
 from inference_node.kv.eviction import NUM_PRIORITIES
 from inference_node.kv.floor import LruFloor
 from inference_node.kv.lifetables import FREQUENCY_BAND, RECENCY_BAND
-from inference_node.kv.shadows import CLASS_MASK, native_available, tables
+from inference_node.kv.shadows import CLASS_MASK, StrictGuard, native_available, tables
 
 if TYPE_CHECKING:
     from inference_node.kv.block import Block
@@ -194,6 +206,9 @@ class AdaptiveLearner:
                                 [_band(p) for p in range(NUM_PRIORITIES)]) \
             if policy.life_tables and not tiered else None
         self._life_lookups = 0
+        #: The life tables' guard (None: no life tables, or ``strict_guard`` off).
+        self.strict_guard = StrictGuard(bands_shadow(self.shadow_capacity, max(1, round(self.ghost_capacity * rate)))) \
+            if policy.strict_guard and self.life is not None else None
         #: Frequency blocks the core lowered to ``DEMOTED_PRIORITY`` because of the tables.
         self.life_demotions = 0
         #: The floor against LRU (:mod:`inference_node.kv.floor`); None: off.
@@ -202,6 +217,11 @@ class AdaptiveLearner:
         #: Set when the floor engages: the core returns every block the policy placed, junk and
         #: demoted ones too, to 35 (``AdaptiveEviction._revoke(everything=True)``) and clears it.
         self.floor_due = False
+
+    @property
+    def strict(self) -> bool:
+        """Strict bands now: the life tables' guard holds their demotions."""
+        return self.strict_guard is not None and self.strict_guard.on
 
     @property
     def lru_only(self) -> bool:
@@ -296,6 +316,10 @@ class AdaptiveLearner:
 
     def _shadows(self, digests: Sequence[bytes], matched: int) -> None:
         bands = self.bands
+        strict = self.strict_guard
+        if bands and strict is not None:
+            strict.step(digests, matched, self.sample_below, max(self.policy.guard_rate, 1.0 / max(1, self._lookups)),
+                        self.policy.guard_margin * self._sampled)
         # n sampled digests, the cache's own prefix hits on them, the shadow's
         n, own, other = (self._lru if bands else self._shadow).lookup(digests, matched, self.sample_below)
         if not n:
@@ -305,6 +329,10 @@ class AdaptiveLearner:
         self._lead += w * ((own - other if bands else other - own) - self._lead)
         self._sampled += w * (n - self._sampled)
         margin = self.policy.guard_margin * self._sampled
+        if bands and self._lead < -margin and strict is not None and strict.on:
+            strict.off(round(1.0 / self.policy.guard_rate))  # behind LRU: the life tables again, before LRU
+            self._lead = 0.0
+            return
         if bands and self._lead < -margin:
             self.bands = False
             self.revoke_due = True
@@ -458,6 +486,7 @@ class AdaptiveLearner:
         life = None if self.life is None else {
             "demotions": self.life_demotions,
             **self.life.describe(self._tick, (self.cache_blocks // 4, self.cache_blocks, 4 * self.cache_blocks))}
-        return {"bands": self.bands, "switches": self.switches, "guard_lead": round(self._lead, 4),
+        strict = None if self.strict_guard is None else self.strict_guard.describe()
+        return {"bands": self.bands, "switches": self.switches, "guard_lead": round(self._lead, 4), "strict": strict,
                 "life": life, "floor": None if self.floor is None else self.floor.describe(),
                 "sample_rate": round(self.sample_below / 256, 4), "classes": classes, "tables": self.tables}

@@ -140,7 +140,7 @@ class AdaptiveEviction(EvictionPolicy):
         recency band. A client's block at 36 is the client's: never demoted."""
         learner = self._learner
         life = learner.life
-        if life is None or not learner.bands or learner.lru_only:
+        if life is None or not learner.bands or learner.lru_only or learner.strict:
             return
         index = self.orders[GPU]
         k -= index.listed_below(RECENCY_PRIORITY)

@@ -62,6 +62,10 @@ class AdaptivePolicy:
     #: the recency band's by the chance that a block of its band and age is used again. Off: the
     #: recency band always goes first (strict bands).
     life_tables: bool = True
+    #: The life tables' guard: strict bands (no demotion) once a shadow of strict bands leads the
+    #: cache by the guard's margin, the tables again once the cache falls behind the LRU shadow
+    #: (the module docstring of :mod:`inference_node.kv.adaptive`, "The life tables' guard").
+    strict_guard: bool = True
     #: The evidence, in blocks, that an age bucket needs to outweigh the estimate of the younger
     #: ages (the prior's weight).
     life_prior_blocks: float = 800.0

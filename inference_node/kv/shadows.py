@@ -215,3 +215,50 @@ class BandsShadow:
         """As :meth:`LruShadow.lookup`."""
         sampled, own = _sample(digests, matched, below)
         return len(sampled), own, self.replay(sampled)
+
+
+class StrictGuard:
+    """The life tables' guard (:mod:`inference_node.kv.adaptive`, "The life tables' guard"): a
+    shadow of strict bands (:class:`BandsShadow` or its compiled twin) against the cache while the
+    bands are on; :attr:`on` (strict bands: the tables demote nothing) once it leads the cache by
+    the guard's margin in the guard's moving average; :meth:`off` when the cache, strict, falls
+    behind the LRU shadow."""
+
+    __slots__ = ("hold", "lead", "on", "seen", "shadow", "switches")
+
+    def __init__(self, shadow: Any) -> None:
+        self.shadow = shadow
+        self.on = False
+        #: How often strict bands turned on or off.
+        self.switches = 0
+        #: Moving average of the shadow's sampled prefix hits minus the cache's.
+        self.lead = 0.0
+        self.seen = 0  # sampled lookups since strict bands turned on or off
+        self.hold = 0  # ... before they may turn on again
+
+    def step(self, digests: Sequence[bytes], matched: int, below: int, rate: float, margin: float) -> None:
+        """One lookup (``below``: the sampling threshold); ``rate``: the moving average's weight,
+        ``margin``: the lead, in sampled hits per lookup, that turns strict bands on."""
+        n, own, other = self.shadow.lookup(digests, matched, below)
+        if not n:
+            return
+        self.seen += 1
+        self.lead += rate * ((other - own) - self.lead)
+        if not self.on and self.seen >= self.hold and self.lead > margin:
+            self.on = True
+            self.seen = 0
+            self.switches += 1
+
+    def off(self, base: int) -> None:
+        """Strict bands fell behind the LRU shadow: the tables demote again, and strict bands may
+        return only after a hold of ``base`` sampled lookups (the guard's horizon), doubled after
+        each strict stretch shorter than the hold before it — so that the LRU guard gets its turn
+        where neither kind of bands is ahead of LRU."""
+        self.on = False
+        self.switches += 1
+        self.hold = base if self.seen >= self.hold else max(base, 2 * self.hold)
+        self.seen = 0
+        self.lead = 0.0
+
+    def describe(self) -> dict[str, object]:
+        return {"on": self.on, "switches": self.switches, "lead": round(self.lead, 4), "hold": self.hold}
