@@ -77,6 +77,9 @@ class NodeSettings(BaseSettings):
     adaptive_floor: bool = Field(
         default=True, description="With --adaptive: hand the cache to plain LRU while the policy keeps fewer "
                                   "hits than an exact LRU shadow beyond the floor's bound (docs/kv-core.md).")
+    adaptive_strict_guard: bool = Field(
+        default=True, description="With --adaptive and the life tables: strict bands (no demotion) while a shadow "
+                                  "of them leads the cache (docs/kv-core.md, the life tables' guard).")
     emit_token_ids: bool = Field(default=False, description="Token ids in stored events.")
     kafka: bool = Field(default=True, description="Publish events to Kafka (false: drop them).")
     api_keys: SecretStr | None = Field(default=None, description="Comma-separated bearer keys (none: open).")
@@ -134,7 +137,8 @@ def build_node(s: NodeSettings, kafka: KafkaSettings | None = None, *, sink: Sin
     url = s.advertise_url or f"http://{s.host}:{s.port}"
     adaptive = AdaptivePolicy(frequency_horizons=s.adaptive_frequency_horizons,
                               soon_share=s.adaptive_soon_share,
-                              life_tables=s.adaptive_life_tables, floor=s.adaptive_floor) if s.adaptive else None
+                              life_tables=s.adaptive_life_tables, floor=s.adaptive_floor,
+                              strict_guard=s.adaptive_strict_guard) if s.adaptive else None
     core = KVCacheManager(KvCacheConfig(
         num_gpu_blocks=s.num_blocks, num_host_blocks=s.host_blocks, block_size=s.block_size,
         secondary_offload_min_priority=s.secondary_offload_min_priority,

@@ -188,5 +188,14 @@ def test_an_adaptive_node_takes_its_routed_settings_and_shows_what_it_learned(mo
             str(node.core.adaptive.cache_blocks // 4)}
         floor = stats["adaptive"]["floor"]  # on by default, not engaged on a fresh cache
         assert floor["engaged"] is False and floor["switches"] == 0 and floor["deficit"] == 0
+        assert stats["adaptive"]["strict"] == {"on": False, "switches": 0, "lead": 0.0, "hold": 0}
     finally:
         node.close()
+    monkeypatch.setenv("KVFLOW_NODE_ADAPTIVE_STRICT_GUARD", "false")
+    node = make_node(adaptive=True)  # the life tables without their guard
+    try:
+        assert node.core.adaptive is not None and node.core.adaptive.policy.strict_guard is False
+        assert TestClient(create_app(node)).get("/v1/kv/stats").json()["adaptive"]["strict"] is None
+    finally:
+        node.close()
+        monkeypatch.delenv("KVFLOW_NODE_ADAPTIVE_STRICT_GUARD")
