@@ -359,7 +359,9 @@ def _adaptive_cost(res: BenchResult, main: Sequence[TraceRequest], cap: int, rep
     ``details.cost_round_ratios`` (on these machines the rounds of one run spread by ±15 %).
     The policy runs as installed: its ghosts, shadows and life tables in ``kvflow_native`` when
     that is there (``details.adaptive_tables`` says which), and then the Python tables in the same
-    rounds too (``ratios.adaptive_python_cost_vs_priority``: the cost without the extension).
+    rounds too (``ratios.adaptive_python_cost_vs_priority``: the cost without the extension), and
+    without the floor and without the life tables' guard (``ratios.adaptive_floor_cost``,
+    ``ratios.adaptive_strict_guard_cost``: what each costs, the policy over the policy without it).
 
     NOTE: two rounds without a warm-up until 2026-12-04 (too few to tell the policy from the noise)."""
     prompts = trace_prompts(main)
@@ -377,8 +379,12 @@ def _adaptive_cost(res: BenchResult, main: Sequence[TraceRequest], cap: int, rep
     def replay_no_floor() -> None:
         replay_core(main, prompts, cap, adaptive=AdaptivePolicy(floor=False))
 
+    def replay_no_strict_guard() -> None:
+        replay_core(main, prompts, cap, adaptive=AdaptivePolicy(strict_guard=False))
+
     subjects: dict[str, Callable[[], float | None]] = {"priority": replay_priority, "adaptive": replay_adaptive,
-                                                       "no_floor": replay_no_floor}
+                                                       "no_floor": replay_no_floor,
+                                                       "no_strict_guard": replay_no_strict_guard}
     if compiled:
         subjects["python"] = replay_python
     cost = interleaved(subjects, warmup=1 if repeats > 1 else 0, repeats=repeats)
@@ -388,6 +394,7 @@ def _adaptive_cost(res: BenchResult, main: Sequence[TraceRequest], cap: int, rep
     res.goals["adaptive_cost_vs_priority"] = "<= 1.5"
     res.details["adaptive_tables"] = "compiled" if compiled else "python"
     res.ratios["adaptive_floor_cost"] = cost["adaptive"].median / cost["no_floor"].median
+    res.ratios["adaptive_strict_guard_cost"] = cost["adaptive"].median / cost["no_strict_guard"].median
     if compiled:
         res.figures["adaptive_python_us_per_request"] = cost["python"].median / len(main) * 1e6
         res.ratios["adaptive_python_cost_vs_priority"] = cost["python"].median / cost["priority"].median

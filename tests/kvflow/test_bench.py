@@ -22,7 +22,8 @@ NAMED = {
     "kv": ["ratios.cost_vs_lru", "ratios.adaptive_vs_lru_hit_rate_min", "ratios.adaptive_vs_lru_hit_rate_400",
            "ratios.adaptive_vs_belady_hit_rate_400", "ratios.adaptive_vs_arc_hit_rate_min",
            "baseline.arc_hit_rate_400", "baseline.s3fifo_hit_rate_400",
-           "ratios.adaptive_vs_arc_where_arc_gains_min", "ratios.adaptive_floor_cost"],
+           "ratios.adaptive_vs_arc_where_arc_gains_min", "ratios.adaptive_floor_cost",
+           "ratios.adaptive_strict_guard_cost"],
     "model": ["ratios.prefill_speedup_cached_90pct", "figures.prefill_tokens_per_s", "figures.decode_tokens_per_s"],
     # --quick: the node alone on SmolLM2 (no vLLM), float32, concurrency 1 and 4
     "node": ["figures.kvflow_float32_tokens_per_s_c1", "figures.kvflow_float32_tokens_per_s_c4",
