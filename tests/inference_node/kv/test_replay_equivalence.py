@@ -7,7 +7,8 @@ give the digests recorded with the earlier core (``replay_golden.json``; how:
 adaptive setting (160 blocks), where the floor against LRU (2026-12-07, ``inference_node/kv/floor.py``)
 engages — with ``floor=False`` that replay still gives the old digest. The floor's own counters are
 left out of the learned state that is hashed. The adaptive settings replay the ghost window they
-were recorded with (4 caches' worth, the default until 2026-12-07; 3.5 since: ``ghost_caches``)."""
+were recorded with (4 caches' worth, the default until 2026-12-07; 3.5 since: ``ghost_caches``) and
+without the life tables' guard (``strict_guard``, on by default since 2026-12-07)."""
 
 from __future__ import annotations
 
