@@ -22,7 +22,10 @@ only:
   that quantile, the request goes instead to the node where it would get its first token soonest,
   among those the bounds allow (not busy, within the load and work bounds) whose cached prefix is
   within ``ttft_tolerance`` × the prompt of the choice's, and whose prefill work lately, this
-  request's included, is at most ``ttft_work_slack`` × the choice's — if one is sooner.
+  request's included, is at most ``ttft_work_slack`` × the choice's — if one is sooner by more
+  than the prefill the move gives up (:func:`_given_up`: the prompt's tokens the choice holds and
+  that node does not, computed again there). A move that saves the request less time than it adds
+  to the fleet's prefill work is no gain: those tokens delay whatever queues behind them.
 
 So at most the tail's share of the requests (1 − the quantile) moves, each at a bounded loss of
 cached prefix: where queues are short (the cost's choice idle or soon free) nothing changes.
@@ -166,6 +169,14 @@ def _cached_share(c: Candidate) -> float:
     return c.matched_blocks / c.prompt_blocks if c.prompt_blocks else 0.0
 
 
+def _given_up(chosen: Candidate, c: Candidate, queues: Mapping[NodeId, PrefillQueue], tokens_per_s: float,
+              block_size: int) -> float:
+    """The prefill time a move from ``chosen`` to ``c`` adds to the fleet: the prompt's tokens the
+    choice holds and ``c`` does not, computed again at ``c``'s rate (seconds; 0 when ``c`` holds as much)."""
+    lost = max(0.0, _cached_share(chosen) - _cached_share(c)) * c.prompt_blocks
+    return lost * _s_per_block(c, queues, tokens_per_s, block_size)
+
+
 def guard(decision: Decision, queues: Mapping[NodeId, PrefillQueue], tail: TtftTail, w: RoutingWeights,
           tokens_per_s: float, block_size: int, now: float) -> Candidate | None:
     """Apply the tail guard to ``decision`` (module docstring): returns the node it sends the request
@@ -192,7 +203,7 @@ def guard(decision: Decision, queues: Mapping[NodeId, PrefillQueue], tail: TtftT
                 or c.work + c.prefill_blocks > work_cap:
             continue
         t = predicted_ttft(c, queues, tokens_per_s, block_size, now)
-        if t < best_t:
+        if t < best_t and mine - t > _given_up(chosen, c, queues, tokens_per_s, block_size):
             best, best_t = c, t
     if best is chosen:
         return None

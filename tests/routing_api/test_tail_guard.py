@@ -122,6 +122,19 @@ def test_the_choice_stands_below_the_tail_or_without_a_queue_or_when_nothing_is_
     assert guard(_decide({"a": 8, "b": 6}), queues, _tail(0.0), off, 1600.0, 16, 0.0) is None
 
 
+def test_a_move_must_save_more_time_than_the_prefill_it_gives_up():
+    # a holds 8 of 10 blocks, b 5 (within the tolerance), c none; b is idle: 5 x 0.01 s there
+    def moved(queued_on_a: int):
+        d = _decide({"a": 8, "b": 5, "c": 0})
+        return guard(d, _queues({"a": queued_on_a, "b": 0, "c": 0}), _tail(0.0), W, 1600.0, 16, 0.0)
+
+    # a: 4 blocks queued + its own 2 = 0.06 s; b is sooner by 0.01 s but computes the 3 blocks a
+    # holds again (0.03 s of the fleet's prefill): the choice stands
+    assert moved(4) is None
+    assert moved(6) is None  # 0.08 s: sooner by exactly what it gives up, no gain
+    assert moved(7).node_id == "b"  # 0.09 s: sooner by 0.04 s, more than the 0.03 s given up
+
+
 def test_the_work_slack_keeps_a_request_off_a_node_that_did_much_more_prefill_lately():
     fleet = [NodeView("a", "", "live", 10_000, block_size=16), NodeView("b", "", "live", 10_000, block_size=16,
                                                                         routed_work=40.0)]
