@@ -12,9 +12,28 @@ import pytest
 
 from inference_node.kv.prompt import Prompt
 from kvflow.bench.harness import BenchResult
-from kvflow.sim.cluster import ROUTING, RouterPolicy, SimNode, _core, percentile, simulate
+from kvflow.sim.cluster import (
+    ROUTING,
+    SEEDED,
+    RouterPolicy,
+    SeedMedian,
+    SimNode,
+    _core,
+    percentile,
+    simulate,
+    simulate_seeds,
+)
 from kvflow.sim.router_anchors import ApproxTree, LlmdScorer, SGLangCacheAware, _LruIndex
-from kvflow.sim.routing import GOALS, PEERS, POLICIES, TUNING_FAMILIES, routing_figures, routing_report, run_routing
+from kvflow.sim.routing import (
+    GOALS,
+    PEERS,
+    POLICIES,
+    SEEDS,
+    TUNING_FAMILIES,
+    routing_figures,
+    routing_report,
+    run_routing,
+)
 from kvflow.sim.workloads import BLOCK_TOKENS, SimRequest
 from routing_api.scoring import RoutedWork, RoutingWeights
 
@@ -192,8 +211,29 @@ def test_llm_ds_scorers_weigh_prefix_3_queue_2_kv_usage_2_and_the_highest_wins()
     assert set(picks) == {0, 1, 2}  # ties at random
 
 
+def test_a_seeded_policy_reports_the_median_of_each_figure_over_its_seeds():
+    rng = random.Random(7)  # many equal prefixes: the cheapest nodes tie often
+    reqs = [req(i * 0.05, tuple(rng.choice(((1, 2), (1, 3), (4, 5))) + (100 + i,)), 20) for i in range(300)]
+    kw: dict[str, Any] = {"nodes": 4, "capacity": 8, "eviction": "lru", "prefill_s_per_token": 1e-4,
+                          "decode_s_per_token": 0.02}
+    runs = [simulate(reqs, routing="kv_aware_load", seed=s, **kw) for s in range(3)]
+    assert len({tuple(r.ttft_s) for r in runs}) > 1  # the seed matters here
+    med = simulate_seeds(reqs, seeds=3, routing="kv_aware_load", **kw)
+    assert isinstance(med, SeedMedian) and len(med.runs) == 3
+    for fig in ("hit_rate", "ttft_p50", "ttft_p99", "max_over_mean_prefill", "max_over_mean_requests", "mean_queue_s"):
+        assert getattr(med, fig) == sorted(getattr(r, fig) for r in runs)[1], fig
+    assert [x["ttft_p99_s"] for x in med.as_dict()["seeds"]] == [round(r.ttft_p99, 4) for r in runs]  # type: ignore[index]
+    assert med.as_dict()["hit_rate"] == round(med.hit_rate, 5)
+    one = simulate_seeds(reqs, seeds=3, routing="sglang", **kw)  # it draws nothing at random: one run
+    assert not isinstance(one, SeedMedian) and one.ttft_s == simulate(reqs, routing="sglang", **kw).ttft_s
+    assert set(SEEDED) == {"random", "llm_d", "kv_aware_load"}
+
+
 def test_every_policy_runs_and_the_study_reports_the_issues_names(tmp_path):
     study = run_routing(limit=300, generator_requests=300, capacities=(100, 200), workers=1)
+    assert study.seeds == SEEDS == 3
+    assert isinstance(study.row("mooncake", 100, "kv_aware_load"), SeedMedian)
+    assert not isinstance(study.row("mooncake", 100, "dynamo_cost"), SeedMedian)
     assert set(study.traces) >= {"mooncake", "hot_prefixes", "one_shot"}
     assert {p for (_, _, p) in study.rows} == set(POLICIES) == {"pooled", *ROUTING}
     assert study.vs_pooled("one_shot", 100, "kv_aware_load") is None  # pooled hits nothing there
