@@ -55,7 +55,8 @@ class RouterSettings(BaseSettings):
         "Time constant (s) of the decay of the prefill work routed to each node (work_bound)."))
     ttft_quantile: float = Field(default=W.ttft_quantile, ge=0, lt=1, description=(
         "The tail guard: a request whose predicted time to first token on the cost's choice (queued) is above "
-        "this quantile of the recent choices' goes to the node where it starts soonest (0: off)."))
+        "this quantile of the recent choices' goes to the node where it starts soonest, if sooner by more than the "
+        "prefill the move gives up (0: off)."))
     ttft_tolerance: float = Field(default=W.ttft_tolerance, ge=0, le=1, description=(
         "The tail guard's nodes: their cached share of the prompt at most this much below the choice's."))
     ttft_work_slack: float = Field(default=W.ttft_work_slack, ge=1, description=(

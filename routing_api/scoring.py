@@ -72,7 +72,8 @@ class RoutingWeights:
     #: The tail guard (:mod:`routing_api.prefill`): a request whose predicted TTFT on the cost's
     #: choice, queued, is above this quantile of the recent choices' goes where it starts soonest,
     #: among nodes whose cached share of the prompt is within ``ttft_tolerance`` of the choice's
-    #: and whose work lately is at most ``ttft_work_slack`` × its; 0: off.
+    #: and whose work lately is at most ``ttft_work_slack`` × its, if sooner by more than the
+    #: prefill the move gives up (the tokens the choice holds and that node does not); 0: off.
     ttft_quantile: float = 0.9
     ttft_tolerance: float = 0.35
     ttft_work_slack: float = 1.1
