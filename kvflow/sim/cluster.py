@@ -166,7 +166,8 @@ SEEDED = ("random", "llm_d", "kv_aware_load")
 @dataclass
 class SeedMedian(SimResult):
     """A seeded policy's runs at seeds 0, 1, …: each figure (hit rate, balance, TTFT percentiles,
-    mean wait) is the median of the runs'; the per-node counts are the first run's."""
+    mean wait) is the median of the runs'; the per-node counts, the block counts and the list of
+    TTFTs are the first run's (``runs`` holds every run)."""
 
     runs: list[SimResult] = field(default_factory=list, repr=False)
 
