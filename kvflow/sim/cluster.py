@@ -173,10 +173,9 @@ class SeedMedian(SimResult):
 
     @classmethod
     def of(cls, runs: Sequence[SimResult]) -> SeedMedian:
-        first = runs[0]
-        return cls(first.workload, first.nodes, first.capacity_per_node, first.routing, first.eviction,
-                   first.hit_blocks, first.total_blocks, first.requests_per_node, first.prefill_tokens_per_node,
-                   statistics.median(r.mean_queue_s for r in runs), first.ttft_s, list(runs))
+        fields = {f.name: getattr(runs[0], f.name) for f in dataclasses.fields(SimResult)}
+        fields["mean_queue_s"] = statistics.median(r.mean_queue_s for r in runs)
+        return cls(**fields, runs=list(runs))
 
     @property
     def hit_rate(self) -> float:
