@@ -194,6 +194,9 @@ def sim_cmd(
     trace: Annotated[str | None, typer.Option(help="A trace in the Mooncake format (default: the conversation "
                                               "trace in ../shared/traces or data/traces).")] = None,
     out: Annotated[str, typer.Option(help="Folder for the report and the plots.")] = "artifacts/sim",
+    load: Annotated[float, typer.Option(min=0.01, help="Run the routing study at this multiple of every "
+                                        "trace's load: each arrival time ÷ it (0.67: every gap 1.5 × as "
+                                        "long). The one-cache eviction sections are the same at any load.")] = 1.0,
 ) -> None:
     """Trace-driven cluster simulator: eviction and routing policies on the real KV core."""
     from pathlib import Path
@@ -208,8 +211,8 @@ def sim_cmd(
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                       console=console, transient=True) as progress:
             task = progress.add_task("simulating …", total=None)
-            result = run_sim(trace=trace, out_dir=Path(out), step=lambda m: progress.update(task, description=m),
-                             **kw)
+            result = run_sim(trace=trace, out_dir=Path(out), load=load,
+                             step=lambda m: progress.update(task, description=m), **kw)
         result.print(console)
         console.print(f"report: {result.details['report']}; plots in {out}")
         if json_path:

@@ -8,6 +8,8 @@ as such requests; :class:`Labelled` is a generated request with what it is.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +44,18 @@ def mooncake(path: str | Path | None = None, limit: int | None = None) -> list[S
         pinned = 1 if r.hash_ids and r.hash_ids[0] == 0 else 0
         out.append(SimRequest(r.timestamp_s, r.hash_ids, r.output_length, pin(pinned), pinned))
     return out
+
+
+def at_load(reqs: Sequence[SimRequest], load: float) -> list[SimRequest]:
+    """The same requests at ``load`` × their load: every arrival time ÷ ``load`` (0.67: two-thirds of
+    the load, every gap 1.5 × as long); the prompts, the outputs and the order as they are.
+
+    Raises:
+        ValueError: ``load`` is not positive.
+    """
+    if not load > 0:
+        raise ValueError(f"load must be positive, not {load}")
+    return list(reqs) if load == 1 else [dataclasses.replace(r, t=r.t / load) for r in reqs]
 
 
 @dataclass(frozen=True, slots=True)

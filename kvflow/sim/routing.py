@@ -42,6 +42,7 @@ from typing import Any
 
 from kvflow.bench.harness import BenchResult
 from kvflow.sim.cluster import ROUTING, SEEDED, SimResult, simulate_seeds
+from kvflow.sim.request import at_load
 from kvflow.sim.workloads import GENERATORS, SimRequest, mooncake
 from routing_api.scoring import DEFAULT_WEIGHTS, RoutingWeights
 
@@ -87,6 +88,8 @@ class RoutingStudy:
     nodes: int
     #: the seeds each seeded policy ran at (its figures: their medians)
     seeds: int = 1
+    #: the multiple of each trace's own load it ran at (:func:`~kvflow.sim.request.at_load`)
+    load: float = 1.0
     rows: dict[tuple[str, int, str], SimResult] = field(default_factory=dict)
 
     def row(self, trace: str, cap: int, policy: str) -> SimResult:
@@ -98,17 +101,19 @@ class RoutingStudy:
         return self.row(trace, cap, policy).hit_rate / pooled if pooled else None
 
 
-def _traces(trace: str | None, limit: int | None, generator_requests: int) -> dict[str, Callable[[], list[SimRequest]]]:
-    out: dict[str, Callable[[], list[SimRequest]]] = {"mooncake": lambda: mooncake(trace, limit)}
+def _traces(trace: str | None, limit: int | None, generator_requests: int,
+            load: float = 1.0) -> dict[str, Callable[[], list[SimRequest]]]:
+    """Every trace of the study by name, each at ``load`` × its own load."""
+    out: dict[str, Callable[[], list[SimRequest]]] = {"mooncake": lambda: at_load(mooncake(trace, limit), load)}
     for name, gen in GENERATORS.items():
-        out[name] = lambda gen=gen: gen(generator_requests)  # type: ignore[misc]
+        out[name] = lambda gen=gen: at_load(gen(generator_requests), load)  # type: ignore[misc]
     return out
 
 
-def _task(args: tuple[str, int, str | None, int | None, int, int, RoutingWeights, int]) -> list[SimResult]:
+def _task(args: tuple[str, int, str | None, int | None, int, int, RoutingWeights, int, float]) -> list[SimResult]:
     """One trace at one capacity: pooled and every policy (a seeded one at ``seeds`` seeds, the medians)."""
-    name, cap, trace, limit, generator_requests, nodes, weights, seeds = args
-    reqs = _traces(trace, limit, generator_requests)[name]()
+    name, cap, trace, limit, generator_requests, nodes, weights, seeds, load = args
+    reqs = _traces(trace, limit, generator_requests, load)[name]()
     return [simulate_seeds(reqs, seeds=seeds, nodes=nodes, capacity=cap, routing=p, eviction="lru", workload=name,
                            prefill_s_per_token=PREFILL_S_PER_TOKEN, decode_s_per_token=DECODE_S_PER_TOKEN,
                            weights=weights) for p in POLICIES]
@@ -117,12 +122,13 @@ def _task(args: tuple[str, int, str | None, int | None, int, int, RoutingWeights
 def run_routing(*, trace: str | None = None, limit: int | None = None, generator_requests: int = 6000,
                 nodes: int = 8, capacities: tuple[int, ...] = (500, 1000, 2000),
                 weights: RoutingWeights = SIM_WEIGHTS, workers: int | None = None, seeds: int = SEEDS,
-                step: Callable[[str], None] = lambda _m: None) -> RoutingStudy:
+                load: float = 1.0, step: Callable[[str], None] = lambda _m: None) -> RoutingStudy:
     """Run every policy on every trace at every capacity (``workers`` processes; default: the CPUs), the
-    seeded ones at ``seeds`` seeds (each figure the median)."""
-    names = list(_traces(trace, limit, generator_requests))
-    study = RoutingStudy(names, capacities, nodes, seeds)
-    tasks = [(name, cap, trace, limit, generator_requests, nodes, weights, seeds)
+    seeded ones at ``seeds`` seeds (each figure the median), every trace at ``load`` × its own load
+    (:func:`~kvflow.sim.request.at_load`: the defaults were chosen at 1)."""
+    names = list(_traces(trace, limit, generator_requests, load))
+    study = RoutingStudy(names, capacities, nodes, seeds, load)
+    tasks = [(name, cap, trace, limit, generator_requests, nodes, weights, seeds, load)
              for name in names for cap in capacities]
     n = max(1, min(workers or os.cpu_count() or 1, len(tasks)))
     results: list[list[SimResult]] = []
@@ -225,7 +231,7 @@ def routing_figures(res: BenchResult, study: RoutingStudy, reference: int) -> No
     res.details["routing"] = {
         "traces": study.traces, "capacities": list(study.capacities), "nodes": study.nodes,
         "reference_capacity": ref, "policies": list(POLICIES), "weights": dataclasses.asdict(SIM_WEIGHTS),
-        "peers": list(PEERS), "seeds": study.seeds, "seeded_policies": list(SEEDED),
+        "peers": list(PEERS), "seeds": study.seeds, "seeded_policies": list(SEEDED), "load": study.load,
         "tuning_traces": [t for t in study.traces if t in TUNING_FAMILIES],
         "prefill_s_per_token": PREFILL_S_PER_TOKEN, "decode_s_per_token": DECODE_S_PER_TOKEN,
         "runs": [r.as_dict() for r in study.rows.values()]}
@@ -237,7 +243,8 @@ def _cell(v: float | None, fmt: str = ".3f") -> str:
 
 def routing_report(study: RoutingStudy) -> list[str]:
     """The report's routing section: the goals per trace, then every run."""
-    lines = [f"## Routing: {study.nodes} nodes, every trace", "",
+    at = f" at {study.load:g} × its load (every arrival time ÷ {study.load:g})" if study.load != 1 else ""
+    lines = [f"## Routing: {study.nodes} nodes, every trace{at}", "",
              f"Prefill {1 / PREFILL_S_PER_TOKEN:,.0f} tokens/s per node (FIFO), "
              + (f"decode {1 / DECODE_S_PER_TOKEN:.0f} tokens/s" if DECODE_S_PER_TOKEN else "decode not counted")
              + "; kvflow = `kv_aware_load` (the router's `decide`, load bound "

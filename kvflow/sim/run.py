@@ -14,6 +14,10 @@ Its defaults run exactly these:
    least-loaded's; at 1,000 blocks on the trace, as before, ``ratios.kv_aware_vs_pooled_hit_rate``.
 3. **The stretch**: KV-aware routing with the adaptive eviction policy on 8 nodes, against one
    pooled LRU cache of the same total size.
+
+``load`` (``--load``) runs 2. and 3. at that multiple of every trace's own load (every arrival time
+÷ it; :func:`kvflow.sim.request.at_load`): how the defaults, chosen at the traces' load, hold at
+another. 4. and 5. replay one cache, where only the order of the requests counts, and do not change.
 4. **Hit rate against capacity** of one cache on the Mooncake trace: LRU, priority (the shared
    first block pinned), adaptive, ARC, S3-FIFO (``kvflow.anchors``) and Belady's optimum.
 5. **Workload generators** (system-prompt-heavy, multi-turn, agentic, one-shot) × eviction policy.
@@ -31,6 +35,7 @@ from typing import Any
 from kvflow.anchors import arc_hit_rate, s3fifo_hit_rate
 from kvflow.bench.harness import BenchResult
 from kvflow.sim.cluster import ROUTED_ADAPTIVE, SimResult, pooled_belady, simulate
+from kvflow.sim.request import at_load
 from kvflow.sim.routing import (
     PREFILL_S_PER_TOKEN,
     SIM_WEIGHTS,
@@ -48,7 +53,7 @@ from kvflow.traces import belady_hit_rate
 def run_sim(*, trace: str | None = None, nodes: int = 8, capacities: tuple[int, ...] = (500, 1000, 2000),
             reference: int = 1000, curve_capacities: tuple[int, ...] = (500, 1000, 2000, 4000, 8000, 16000),
             system_prompt_capacity: int = 128, generator_requests: int = 6000, limit: int | None = None,
-            out_dir: Path = Path("artifacts/sim"), plots: bool = True,
+            out_dir: Path = Path("artifacts/sim"), plots: bool = True, load: float = 1.0,
             step: Callable[[str], None] = lambda _m: None) -> BenchResult:
     res = BenchResult("sim")
     rows: list[SimResult] = []
@@ -73,9 +78,9 @@ def run_sim(*, trace: str | None = None, nodes: int = 8, capacities: tuple[int, 
     # 2./3. Routing on the trace and every family, and the stretch (kvflow.sim.routing).
     mc = mooncake(trace, limit)
     study = run_routing(trace=trace, limit=limit, generator_requests=generator_requests, nodes=nodes,
-                        capacities=capacities, step=step)
+                        capacities=capacities, load=load, step=step)
     routing_figures(res, study, reference)
-    stretch(res, study, mc, sim)
+    stretch(res, study, at_load(mc, load), sim)
     ref = res.details["routing"]["reference_capacity"]
 
     # 4. Hit rate against capacity, one cache: the core's policies, ARC, S3-FIFO and Belady.

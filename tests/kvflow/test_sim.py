@@ -51,7 +51,8 @@ def test_generators_are_deterministic_and_shaped():
 def test_the_cli_writes_json_a_report_and_plots(tmp_path):
     out = tmp_path / "sim"
     proc = subprocess.run([sys.executable, "-m", "kvflow.cli", "sim", "--quick", "--json", str(tmp_path / "s.json"),
-                           "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT, check=False)
+                           "--out", str(out), "--load", "0.8"], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          check=False)
     assert proc.returncode == 0, proc.stderr
     data = json.loads((tmp_path / "s.json").read_text())
     for key in ("priority_vs_lru_hit_rate_system_prompt", "kv_aware_vs_pooled_hit_rate",
@@ -59,6 +60,8 @@ def test_the_cli_writes_json_a_report_and_plots(tmp_path):
         assert key in data["ratios"]
     assert "kv_aware_max_over_mean_load" in data["figures"]
     assert (out / "report.md").read_text().startswith("# kvflow sim")
+    assert data["details"]["routing"]["load"] == 0.8  # the routing study at 0.8 x every trace's load
+    assert "every trace at 0.8 × its load" in (out / "report.md").read_text()
     for png in ("hit_rate_vs_capacity.png", "load_balance.png"):
         assert (out / png).stat().st_size > 5000
 

@@ -24,12 +24,14 @@ from kvflow.sim.cluster import (
     simulate_seeds,
 )
 from kvflow.sim.router_anchors import ApproxTree, LlmdScorer, SGLangCacheAware, _LruIndex
+from kvflow.sim.request import at_load
 from kvflow.sim.routing import (
     GOALS,
     PEERS,
     POLICIES,
     SEEDS,
     TUNING_FAMILIES,
+    _traces,
     routing_figures,
     routing_report,
     run_routing,
@@ -268,3 +270,33 @@ def test_every_policy_runs_and_the_study_reports_the_issues_names(tmp_path):
     tuning = [res.ratios[f"kv_aware_vs_best_peer_hit_rate.{t}.{c}"] for t in TUNING_FAMILIES for c in (100, 200)]
     assert res.ratios["kv_aware_vs_best_peer_hit_rate_min.tuning"] == min(tuning)
     assert "kv_aware_vs_best_peer_hit_rate_min.validation" in res.ratios
+
+
+def test_a_lighter_load_stretches_every_gap_and_a_queued_request_no_longer_waits():
+    reqs = [req(0, range(1, 5)), req(2, range(11, 13)), req(3, (21,))]
+    light = at_load(reqs, 0.5)
+    assert [r.t for r in light] == [0, 4, 6] and [r.keys for r in light] == [r.keys for r in reqs]
+    assert at_load(reqs, 1) == reqs
+    with pytest.raises(ValueError):
+        at_load(reqs, 0)
+    # one node, one block a second: at its own load the second request waits 2 s behind the first's
+    # 4-block prefill and the third 1 s behind the second; at half the load neither waits
+    kw: dict[str, Any] = {"nodes": 1, "capacity": 100, "routing": "round_robin", "eviction": "lru",
+                          "prefill_s_per_token": SECOND_PER_BLOCK}
+    assert simulate(reqs, **kw).ttft_s == [4, 4, 4]
+    assert simulate(light, **kw).ttft_s == [4, 2, 1]
+
+
+def test_the_study_at_another_load_runs_every_trace_at_it_and_says_so():
+    own, light = _traces(None, 60, 60), _traces(None, 60, 60, load=2 / 3)
+    assert own.keys() == light.keys()
+    for name in own:
+        a, b = own[name](), light[name]()
+        assert [r.keys for r in b] == [r.keys for r in a], name
+        assert [r.t for r in b] == pytest.approx([r.t * 1.5 for r in a]), name
+    study = run_routing(limit=60, generator_requests=60, capacities=(100,), workers=1, seeds=1, load=0.5)
+    assert study.load == 0.5
+    res = BenchResult("sim")
+    routing_figures(res, study, 100)
+    assert res.details["routing"]["load"] == 0.5
+    assert routing_report(study)[0] == "## Routing: 8 nodes, every trace at 0.5 × its load (every arrival time ÷ 0.5)"
