@@ -23,8 +23,8 @@ from kvflow.sim.cluster import (
     simulate,
     simulate_seeds,
 )
-from kvflow.sim.router_anchors import ApproxTree, LlmdScorer, SGLangCacheAware, _LruIndex
 from kvflow.sim.request import at_load
+from kvflow.sim.router_anchors import ApproxTree, LlmdScorer, SGLangCacheAware, _LruIndex
 from kvflow.sim.routing import (
     GOALS,
     PEERS,
@@ -277,7 +277,7 @@ def test_a_lighter_load_stretches_every_gap_and_a_queued_request_no_longer_waits
     light = at_load(reqs, 0.5)
     assert [r.t for r in light] == [0, 4, 6] and [r.keys for r in light] == [r.keys for r in reqs]
     assert at_load(reqs, 1) == reqs
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="load must be positive"):
         at_load(reqs, 0)
     # one node, one block a second: at its own load the second request waits 2 s behind the first's
     # 4-block prefill and the third 1 s behind the second; at half the load neither waits
