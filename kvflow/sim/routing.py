@@ -320,10 +320,11 @@ def stretch(res: BenchResult, study: RoutingStudy, mc: Sequence[SimRequest], sim
     """kvflow's routing with the adaptive eviction policy on the nodes, against one pooled LRU cache of
     the same total size, on the trace ``mc``: with the policy's defaults
     (``ratios.kv_aware_adaptive_vs_pooled_lru_hit_rate_<cap>``) and with the routed fleet's setting
-    (``..._adaptive_routed_...``); ``sim`` runs and records one simulation."""
+    (``..._adaptive_routed_...``), each the median over the study's seeds of the router's tiebreak, as
+    its routing figures are; ``sim`` runs and records a simulation (:func:`~kvflow.sim.cluster.simulate_seeds`)."""
     for cap in study.capacities:
         pooled = study.row("mooncake", cap, "pooled").hit_rate
         for ev in ("adaptive", "adaptive_routed"):
             r = sim(mc, nodes=study.nodes, capacity=cap, routing="kv_aware_load", eviction=ev,
-                    workload="mooncake", decode_s_per_token=DECODE_S_PER_TOKEN)
+                    workload="mooncake", decode_s_per_token=DECODE_S_PER_TOKEN, seeds=study.seeds)
             res.ratios[f"kv_aware_{ev}_vs_pooled_lru_hit_rate_{cap}"] = r.hit_rate / pooled if pooled else 1.0

@@ -34,7 +34,7 @@ from typing import Any
 
 from kvflow.anchors import arc_hit_rate, s3fifo_hit_rate
 from kvflow.bench.harness import BenchResult
-from kvflow.sim.cluster import ROUTED_ADAPTIVE, SimResult, pooled_belady, simulate
+from kvflow.sim.cluster import ROUTED_ADAPTIVE, SimResult, pooled_belady, simulate_seeds
 from kvflow.sim.request import at_load
 from kvflow.sim.routing import (
     PREFILL_S_PER_TOKEN,
@@ -58,10 +58,10 @@ def run_sim(*, trace: str | None = None, nodes: int = 8, capacities: tuple[int, 
     res = BenchResult("sim")
     rows: list[SimResult] = []
 
-    def sim(reqs: list[SimRequest], **kw: Any) -> SimResult:
+    def sim(reqs: list[SimRequest], seeds: int = 1, **kw: Any) -> SimResult:
         step(f"{kw.get('workload')}: {kw.get('routing')} / {kw.get('eviction')} / {kw.get('nodes')} x "
              f"{kw.get('capacity')}")
-        r = simulate(reqs, prefill_s_per_token=PREFILL_S_PER_TOKEN, weights=SIM_WEIGHTS, **kw)
+        r = simulate_seeds(reqs, seeds=seeds, prefill_s_per_token=PREFILL_S_PER_TOKEN, weights=SIM_WEIGHTS, **kw)
         rows.append(r)
         return r
 

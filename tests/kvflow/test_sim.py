@@ -61,6 +61,9 @@ def test_the_cli_writes_json_a_report_and_plots(tmp_path):
     assert "kv_aware_max_over_mean_load" in data["figures"]
     assert (out / "report.md").read_text().startswith("# kvflow sim")
     assert data["details"]["routing"]["load"] == 0.8  # the routing study at 0.8 x every trace's load
+    # the stretch (adaptive nodes behind kvflow's router): the median over the router's tiebreak seeds
+    stretch = [r for r in data["details"]["runs"] if r["eviction"].startswith("adaptive") and r["nodes"] > 1]
+    assert len(stretch) == 2 * 2 and all(len(r["seeds"]) == data["details"]["routing"]["seeds"] == 3 for r in stretch)
     assert "every trace at 0.8 × its load" in (out / "report.md").read_text()
     for png in ("hit_rate_vs_capacity.png", "load_balance.png"):
         assert (out / png).stat().st_size > 5000
