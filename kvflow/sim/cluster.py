@@ -37,7 +37,12 @@ Routing policies (:data:`ROUTING`):
 * ``kv_aware``: the longest true cached prefix (ties: least loaded) — cache only;
 * ``dynamo_cost``: the router's cost (:func:`routing_api.scoring.decide`, Dynamo's
   ``overlap × prefill blocks + load blocks`` with kvflow's credits) with the load bound, the
-  tail guard, the bound gate and the queue tiebreak *off*: the router's decisions before bounded loads;
+  tail guard, the bound gate and the queue tiebreak *off*: the router's decisions before bounded loads,
+  at the weights given (kvflow's overlap weight, 24: Dynamo's cost as an operator who weighs the
+  cache that much would run it);
+* ``dynamo_default``: the same at Dynamo's own default, an overlap weight of 1
+  (:data:`DYNAMO_OVERLAP_WEIGHT`): a block to prefill weighs as much as a block of load, so it
+  balances more and follows the cache less;
 * ``kv_aware_load``: kvflow's router, :func:`routing_api.scoring.decide` exactly (bounded loads on),
   with the weights given (default: the router's, which ``kvflow sim`` runs: :data:`kvflow.sim.routing.SIM_WEIGHTS`)
   over the nodes' true prefixes and the loads the router knows, with the prefill work it routed to
@@ -87,7 +92,11 @@ from routing_api.scoring import (
 #: The prefill rate the router assumes of a node it has not measured yet (the router's default,
 #: ``KVFLOW_ROUTER_PREFILL_TOKENS_PER_S``): its queues learn the simulated nodes' own.
 ROUTER_PREFILL_TOKENS_PER_S = 10000.0
-ROUTING = ("random", "round_robin", "least_loaded", "kv_aware", "dynamo_cost", "sglang", "llm_d", "kv_aware_load")
+ROUTING = ("random", "round_robin", "least_loaded", "kv_aware", "dynamo_cost", "dynamo_default", "sglang", "llm_d",
+           "kv_aware_load")
+#: Dynamo's own default weight of a block to prefill against a block of load (``KvRouterConfig``'s
+#: ``overlap_score_weight``, ``--kv-overlap-score-weight``; its temperature is 0 too): ``dynamo_default``.
+DYNAMO_OVERLAP_WEIGHT = 1.0
 EVICTION = ("lru", "priority", "adaptive", "adaptive_routed")
 #: The adaptive policy for nodes behind KV-aware routing (docs/benchmarks.md, "The bands lose in a
 #: routed fleet": horizons 2 and soon share 0.3 chosen on the conversation trace's fleet simulation
@@ -315,6 +324,9 @@ def make_policy(routing: str, *, nodes: int, capacity: int, weights: RoutingWeig
         "kv_aware": _KvAware,
         "dynamo_cost": lambda: RouterPolicy(dataclasses.replace(w, load_bound=0.0, ttft_quantile=0.0, bound_gate=0.0,
                                                                 queue_tiebreak=False), rng),
+        "dynamo_default": lambda: RouterPolicy(dataclasses.replace(w, overlap_weight=DYNAMO_OVERLAP_WEIGHT,
+                                                                   load_bound=0.0, ttft_quantile=0.0, bound_gate=0.0,
+                                                                   queue_tiebreak=False, temperature=0.0), rng),
         "kv_aware_load": lambda: RouterPolicy(w, rng),
         "sglang": lambda: anchors.SGLangCacheAware(nodes),
         "llm_d": lambda: anchors.LlmdScorer(nodes, capacity, rng),
@@ -344,8 +356,9 @@ def simulate(requests: Sequence[SimRequest], *, nodes: int, capacity: int, routi
              progress: Callable[[int], None] | None = None) -> SimResult:
     """Run a workload on ``nodes`` caches of ``capacity`` blocks each (``pooled``: one of N×, N servers).
 
-    ``weights`` are the router's for ``kv_aware_load`` and ``dynamo_cost`` (default: the router's
-    defaults); ``policy`` replaces the named one (experiments)."""
+    ``weights`` are the router's for ``kv_aware_load``, ``dynamo_cost`` and ``dynamo_default`` (default:
+    the router's defaults; ``dynamo_default`` at Dynamo's overlap weight); ``policy`` replaces the named
+    one (experiments)."""
     if eviction not in EVICTION:
         raise ValueError(f"eviction must be one of {(*EVICTION, 'belady')} (belady: see pooled_belady)")
     pooled = routing == "pooled"

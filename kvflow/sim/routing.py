@@ -66,9 +66,9 @@ GOALS = {"kv_aware_vs_pooled_hit_rate_min": ">= 0.95", "kv_aware_max_over_mean_l
          "kv_aware_ttft_p99_vs_round_robin_max": "<= 1", "kv_aware_ttft_p99_vs_least_loaded_max": "<= 1",
          "kv_aware_vs_best_peer_hit_rate_min": ">= 0.98", "kv_aware_ttft_p50_vs_best_peer_max": "<= 1.05",
          "kv_aware_ttft_p99_vs_best_peer_max": "<= 1"}
-#: The peers kvflow's policy is held against: Dynamo's cost, SGLang's and llm-d's (the best of them on
-#: each figure, trace and capacity).
-PEERS = ("dynamo_cost", "sglang", "llm_d")
+#: The peers kvflow's policy is held against: Dynamo's cost (at kvflow's overlap weight and at Dynamo's
+#: own default, 1), SGLang's and llm-d's (the best of them on each figure, trace and capacity).
+PEERS = ("dynamo_cost", "dynamo_default", "sglang", "llm_d")
 #: The policies that break ties at random (:data:`~kvflow.sim.cluster.SEEDED`: kvflow's, llm-d's,
 #: random) run at this many seeds, each figure the median: one seed's cell is one draw (the Mooncake
 #: trace at 2,000 blocks moved between 0.964 and 1.012 of the best peer's hit rate with the seed).
@@ -201,7 +201,7 @@ def routing_figures(res: BenchResult, study: RoutingStudy, reference: int) -> No
     for cap in study.capacities:
         res.ratios[f"kv_aware_vs_pooled_hit_rate_{cap}"] = study.vs_pooled(mc, cap, "kv_aware_load") or 1.0
     res.ratios["kv_aware_vs_pooled_hit_rate"] = study.vs_pooled(mc, ref, "kv_aware_load") or 1.0
-    for p in ("round_robin", "random", "least_loaded", "sglang", "llm_d"):
+    for p in ("round_robin", "random", "least_loaded", "dynamo_cost", "dynamo_default", "sglang", "llm_d"):
         res.ratios[f"{p}_vs_pooled_hit_rate"] = study.vs_pooled(mc, ref, p) or 1.0
     res.figures["kv_aware_max_over_mean_load"] = max(kv.max_over_mean_requests, kv.max_over_mean_prefill)
     res.figures["kv_aware_max_over_mean_requests"] = kv.max_over_mean_requests
@@ -211,7 +211,7 @@ def routing_figures(res: BenchResult, study: RoutingStudy, reference: int) -> No
     res.figures["kv_aware_ttft_p99_s"] = kv.ttft_p99
     res.baseline["pooled_lru_hit_rate"] = pooled.hit_rate
     for policy, prefix in (("kv_aware_load", "kv_aware"), ("sglang", "sglang"), ("llm_d", "llm_d"),
-                           ("dynamo_cost", "dynamo_cost")):
+                           ("dynamo_cost", "dynamo_cost"), ("dynamo_default", "dynamo_default")):
         w = _worst(study, policy, study.traces)
         res.ratios[f"{prefix}_vs_pooled_hit_rate_min"] = w["vs_pooled_hit_rate_min"]
         res.figures[f"{prefix}_max_over_mean_load_worst_capacity"] = w["max_over_mean_prefill_worst"]

@@ -13,6 +13,7 @@ import pytest
 from inference_node.kv.prompt import Prompt
 from kvflow.bench.harness import BenchResult
 from kvflow.sim.cluster import (
+    DYNAMO_OVERLAP_WEIGHT,
     ROUTING,
     SEEDED,
     RouterPolicy,
@@ -110,6 +111,20 @@ def test_a_hot_prefix_is_replicated_to_a_second_node_only_when_its_node_is_over_
     # The cost alone (Dynamo's) keeps every request on the node that holds it.
     dyn = simulate(_hot(40, 0.2), **{**kw, "routing": "dynamo_cost"})
     assert sorted(dyn.requests_per_node) == [0, 0, 0, 40]
+
+
+def test_dynamos_default_weighs_a_block_to_prefill_as_one_block_of_load():
+    # The second request shares the first's 8 blocks while the first is still in hand (decoding) on node 0.
+    reqs = [req(0.0, (*range(1, 9), 1000), 50), req(0.1, (*range(1, 9), 1001), 50)]
+    kw: dict[str, Any] = {"nodes": 4, "capacity": 1000, "eviction": "lru",
+                          "prefill_s_per_token": SECOND_PER_BLOCK / 1000, "decode_s_per_token": 0.01}
+    # At kvflow's overlap weight (24) node 0 costs 24 × 1 + 9 = 33 against 24 × 9 = 216 on an idle node.
+    heavy = simulate(reqs, routing="dynamo_cost", **kw)
+    assert (heavy.requests_per_node, heavy.hit_blocks) == ([2, 0, 0, 0], 8)
+    # At Dynamo's own default (1) node 0 costs 1 + 9 = 10 against 9 on an idle node: it balances instead.
+    light = simulate(reqs, routing="dynamo_default", **kw)
+    assert (light.requests_per_node, light.hit_blocks) == ([1, 1, 0, 0], 0)
+    assert DYNAMO_OVERLAP_WEIGHT == 1.0 and "dynamo_default" in PEERS
 
 
 def test_kv_aware_load_is_the_routers_decide_with_its_load_as_the_router_knows_it():
