@@ -317,16 +317,16 @@ def make_policy(routing: str, *, nodes: int, capacity: int, weights: RoutingWeig
                 rng: random.Random) -> Policy:
     """The policy named ``routing`` (one of :data:`ROUTING`) for ``nodes`` nodes of ``capacity`` blocks."""
     w = weights or DEFAULT_WEIGHTS
+    # the cost alone (Dynamo's): no bounds, no tail guard, no bound gate or queue tiebreak
+    cost_alone = dataclasses.replace(w, load_bound=0.0, ttft_quantile=0.0, bound_gate=0.0, queue_tiebreak=False)
     policies: dict[str, Callable[[], Policy]] = {
         "random": lambda: _Random(rng),
         "round_robin": _RoundRobin,
         "least_loaded": _LeastLoaded,
         "kv_aware": _KvAware,
-        "dynamo_cost": lambda: RouterPolicy(dataclasses.replace(w, load_bound=0.0, ttft_quantile=0.0, bound_gate=0.0,
-                                                                queue_tiebreak=False), rng),
-        "dynamo_default": lambda: RouterPolicy(dataclasses.replace(w, overlap_weight=DYNAMO_OVERLAP_WEIGHT,
-                                                                   load_bound=0.0, ttft_quantile=0.0, bound_gate=0.0,
-                                                                   queue_tiebreak=False, temperature=0.0), rng),
+        "dynamo_cost": lambda: RouterPolicy(cost_alone, rng),
+        "dynamo_default": lambda: RouterPolicy(dataclasses.replace(cost_alone, overlap_weight=DYNAMO_OVERLAP_WEIGHT,
+                                                                   temperature=0.0), rng),
         "kv_aware_load": lambda: RouterPolicy(w, rng),
         "sglang": lambda: anchors.SGLangCacheAware(nodes),
         "llm_d": lambda: anchors.LlmdScorer(nodes, capacity, rng),

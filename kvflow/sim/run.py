@@ -7,20 +7,21 @@ Its defaults run exactly these:
    ``ratios.priority_vs_lru_hit_rate_system_prompt`` (goal ≥ 1.2).
 2. **Routing on the Mooncake trace and every generated family** (:mod:`kvflow.sim.routing`): 8
    nodes at 500 / 1,000 / 2,000 blocks each; random, round-robin, least-loaded, KV-aware (cache
-   only), Dynamo's cost, the SGLang and llm-d anchors and kvflow's router (bounded loads), against
-   one pooled cache of 8 × the capacity; hit rate, balance and time to first token. Goals over
-   every trace and capacity: ``ratios.kv_aware_vs_pooled_hit_rate_min`` ≥ 0.95,
+   only), Dynamo's cost (at kvflow's overlap weight and at Dynamo's default), the SGLang and llm-d
+   anchors and kvflow's router (bounded loads), against one pooled cache of 8 × the capacity; hit
+   rate, balance and time to first token. Goals over every trace and capacity:
+   ``ratios.kv_aware_vs_pooled_hit_rate_min`` ≥ 0.95,
    ``figures.kv_aware_max_over_mean_load_worst_capacity`` ≤ 1.15, TTFT p99 ≤ round-robin's and
    least-loaded's; at 1,000 blocks on the trace, as before, ``ratios.kv_aware_vs_pooled_hit_rate``.
 3. **The stretch**: KV-aware routing with the adaptive eviction policy on 8 nodes, against one
    pooled LRU cache of the same total size.
+4. **Hit rate against capacity** of one cache on the Mooncake trace: LRU, priority (the shared
+   first block pinned), adaptive, ARC, S3-FIFO (``kvflow.anchors``) and Belady's optimum.
+5. **Workload generators** (system-prompt-heavy, multi-turn, agentic, one-shot) × eviction policy.
 
 ``load`` (``--load``) runs 2. and 3. at that multiple of every trace's own load (every arrival time
 ÷ it; :func:`kvflow.sim.request.at_load`): how the defaults, chosen at the traces' load, hold at
 another. 4. and 5. replay one cache, where only the order of the requests counts, and do not change.
-4. **Hit rate against capacity** of one cache on the Mooncake trace: LRU, priority (the shared
-   first block pinned), adaptive, ARC, S3-FIFO (``kvflow.anchors``) and Belady's optimum.
-5. **Workload generators** (system-prompt-heavy, multi-turn, agentic, one-shot) × eviction policy.
 
 Outputs: a markdown report and two PNG plots in ``--out`` (default ``artifacts/sim``), and JSON
 with ``--json``.
