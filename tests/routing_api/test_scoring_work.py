@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -91,9 +93,12 @@ def test_a_decisions_work_is_the_prompt_less_what_its_node_held():
     assert d.chosen.node_id == "a" and routed_work(d.chosen) == 3
 
 
-def test_the_router_keeps_the_work_it_proxied_and_takes_a_refused_one_back():
+def test_the_router_keeps_the_work_it_proxied_and_takes_a_refused_one_back(monkeypatch):
+    import routing_api.state
     from tests.routing_api.test_state import state
 
+    # the work decays on the monotonic clock (τ 60 s): hold it still, so a slow machine cannot move it
+    monkeypatch.setattr(routing_api.state, "time", SimpleNamespace(monotonic=lambda: 1000.0, time=time.time))
     s = state()
     s.start_proxy("a", 8, 5)("ok")
     assert s.work["a"].value == pytest.approx(5, rel=1e-3)
