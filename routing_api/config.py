@@ -67,6 +67,10 @@ class RouterSettings(BaseSettings):
     queue_tiebreak: bool = Field(default=W.queue_tiebreak, description=(
         "When the choice has a prefill queue, a node holding at least as much of the prompt where it starts "
         "sooner takes the request (false: off)."))
+    hub_fanout: int = Field(default=W.hub_fanout, ge=0, description=(
+        "Hubs: a prefix that this many distinct prompts continue is copied (a one-token prefill of its tokens) "
+        "to a light idle node when the bound gate keeps a request on an over-bound node holding it, and a "
+        "request stays on an idle over-bound node holding its own context beyond such a prefix (0: both off)."))
     prefill_tokens_per_s: float = Field(default=10000.0, gt=0, description=(
         "A node's prefill rate before the router has measured it (from the first tokens it proxies): "
         "the tail guard's predicted waits."))

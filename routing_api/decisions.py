@@ -22,6 +22,7 @@ from eventbus.hashing import prompt_hash_heads
 from eventbus.protocol import NodeId
 from routing_api.errors import Unavailable
 from routing_api.fleet import FleetView
+from routing_api.hubs import Warmup, stay, warmup
 from routing_api.prefill import gate, guard
 from routing_api.queries import DatabaseUnavailable
 from routing_api.schemas import decision_body
@@ -70,6 +71,8 @@ class Routed:
     prompt: Prompt | None = None
     #: the decision's entry among the router's recent ones (``RouterState.recent``)
     recent: dict[str, Any] | None = None
+    #: the hub copy the decision calls for (``routing_api.hubs``; the proxy sends it: ``routing_api.warmups``)
+    warmup: Warmup | None = None
 
     @property
     def matched_tokens(self) -> int:
@@ -165,6 +168,13 @@ async def route(state: RouterState, token_ids: Sequence[int] | None, text: str |
     if gate(decision, state.prefill, state.weights, state.settings.prefill_tokens_per_s, fleet.block_size,
             now) is not None:
         state.metrics.bound_gate.inc()
+    warm = None
+    if state.hubs.fanout > 0 and not prompt.degraded:
+        heads = prompt.hashes
+        hub = state.hubs.observe([heads[i:i + 8] for i in range(0, len(heads), 8)])
+        if stay(decision, hub, state.prefill, now) is not None:
+            state.metrics.hub_stay.inc()
+        warm = warmup(decision, hub, state.prefill, now)
     if guard(decision, state.prefill, state.tail, state.weights, state.settings.prefill_tokens_per_s,
              fleet.block_size, now) is not None:
         state.metrics.tail_guard.inc()
@@ -175,9 +185,12 @@ async def route(state: RouterState, token_ids: Sequence[int] | None, text: str |
                          degraded=prompt.degraded, gone_nodes=fleet.gone)
     if key_node is not None:
         body["prompt_cache_key"] = {"node_id": key_node, "credit_blocks": credit}
+    if warm is not None:
+        body["warmup"] = {"node_id": warm.target.node_id, "blocks": warm.blocks,
+                          "tokens": warm.blocks * fleet.block_size, "work_blocks": warm.work}
     recent = state.record_decision(decision, body["prompt_blocks"], len(prompt.tokens), body["matched_tokens"],
                                    elapsed)
-    return Routed(decision, body, body["prompt_blocks"], prompt, recent)
+    return Routed(decision, body, body["prompt_blocks"], prompt, recent, warm)
 
 
 def _degrade(state: RouterState, decision: Decision) -> None:

@@ -20,11 +20,10 @@ weighs the same. In a fleet of one block size every factor is 1: the costs are t
   plus the blocks of the requests the router sent it and has not seen finish (state in PostgreSQL
   lags; the router's own count does not).
 
-Nodes that are ``stale``, ``gone``, ``suspect`` or ``unreachable`` are never chosen; a
-``resyncing`` node's holdings are not trusted (it may be chosen for its load, with no prefix
-credit). Nodes over the load threshold are filtered out first (unless all are). The lowest cost
-wins; ties go to the lower load, then the node id. With ``temperature > 0`` the choice is sampled
-with probability ∝ exp(−Δcost / T).
+Nodes that are ``stale``, ``gone``, ``suspect`` or ``unreachable`` are never chosen; a ``resyncing``
+node's holdings are not trusted (it may be chosen for its load, with no prefix credit). Nodes over the
+load threshold are filtered out first (unless all are). The lowest cost wins; ties go to the lower
+load, then the node id. With ``temperature > 0`` the choice is sampled with probability ∝ exp(−Δcost / T).
 
 What only the router knows (which nodes failed it lately, what it has sent them, which of its
 requests have finished since a node's last heartbeat) is laid over the nodes' rows by
@@ -60,9 +59,8 @@ class RoutingWeights:
     #: A node whose load exceeds this share of its GPU blocks is filtered out first.
     busy_fraction: float = 0.95
     temperature: float = 0.0
-    #: Bounded loads (ε of Mirrokni, Thorup & Zadimoghaddam 2018): a node whose load exceeds
-    #: (1 + ε) × the fleet's mean load, this request counted, is not eligible (:func:`within_bound`);
-    #: 0: off (the cost alone decides, as before).
+    #: Bounded loads (ε of Mirrokni, Thorup & Zadimoghaddam 2018): a node whose load exceeds (1 + ε) × the
+    #: fleet's mean load, this request counted, is not eligible (:func:`within_bound`); 0: off (the cost alone).
     load_bound: float = 0.75
     #: Bounded work (with ``load_bound`` on): a node whose prefill work routed lately (:class:`RoutedWork`)
     #: exceeds (1 + this) × the fleet's mean, the request counted, is not eligible; 0: off.
@@ -80,6 +78,8 @@ class RoutingWeights:
     #: The bound gate (a ratio of predicted TTFTs; 0: off) and the queue tiebreak (:func:`routing_api.prefill.gate`).
     bound_gate: float = 0.5
     queue_tiebreak: bool = True
+    #: Hubs (:mod:`routing_api.hubs`): a prefix this many distinct blocks followed is copied ahead; 0: off.
+    hub_fanout: int = 16
 
 
 #: The one home of the weights' defaults (``RouterSettings`` takes its defaults from here).

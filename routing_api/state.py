@@ -7,6 +7,7 @@ own: with ``--workers N`` each process has its own (docs/router.md, "Running it"
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import itertools
 import random
@@ -24,6 +25,7 @@ from openai_api.tokenizers import Tokenizer, load_tokenizer
 from routing_api.cache_keys import CacheKeys
 from routing_api.config import ApiKey, RouterSettings
 from routing_api.fleet import FleetView, fleet_view
+from routing_api.hubs import Hubs
 from routing_api.prefill import PrefillQueue, TtftTail
 from routing_api.queries import StateReader
 from routing_api.replica import ReplicaMetrics, ReplicaMonitor, primary_reader
@@ -65,6 +67,10 @@ class Metrics:
                               registry=r)
         self.tail_guard = Counter("kvflow_router_tail_guard_total", "Requests the tail guard sent elsewhere than "
                                   "the cost's choice (routing_api.prefill)", registry=r)
+        self.hub_stay = Counter("kvflow_router_hub_stay_total", "Requests kept on an idle over-bound node holding "
+                                "their own context (routing_api.hubs)", registry=r)
+        self.warmups = Counter("kvflow_router_warmups_total", "Hub copies sent to a node (routing_api.hubs)",
+                               ["node", "outcome"], registry=r)
         self.bound_gate = Counter("kvflow_router_bound_gate_total", "Requests the bound gate or the queue "
                                   "tiebreak sent elsewhere than the bounded choice (routing_api.prefill)", registry=r)
         self.degraded = Counter("kvflow_router_degraded_decisions", "Decisions made without PostgreSQL "
@@ -132,6 +138,10 @@ class RouterState:
     prefill: dict[NodeId, PrefillQueue] = field(default_factory=dict)
     #: the tail of predicted TTFTs (its quantile: ``weights.ttft_quantile``)
     tail: TtftTail = field(init=False)
+    #: the continuations of the blocks routed lately (``routing_api.hubs``; fanout ``weights.hub_fanout``)
+    hubs: Hubs = field(init=False)
+    #: the hub copies being sent (``routing_api.warmups``): kept until they finish
+    warming: set[asyncio.Task[None]] = field(default_factory=set)
     recent: collections.deque[dict[str, Any]] = field(default_factory=collections.deque)
     decisions: int = 0
     proxied: int = 0
@@ -149,6 +159,7 @@ class RouterState:
 
     def __post_init__(self) -> None:
         self.tail = TtftTail(self.weights.ttft_quantile)
+        self.hubs = Hubs(self.weights.hub_fanout)
         if self.cache_keys is None:
             self.cache_keys = CacheKeys(self.reader)
         self._keys = itertools.count()
@@ -190,8 +201,11 @@ class RouterState:
         self.cache_keys.reader = reader
 
     async def close(self) -> None:
-        """Close the HTTP client, then the database connections."""
+        """Close the HTTP client (hub copies still being sent are cancelled), then the database connections."""
         await self.cache_keys.drain()
+        for task in list(self.warming):
+            task.cancel()
+        await asyncio.gather(*self.warming, return_exceptions=True)
         await self.client.aclose()
         if self.replication is not None:
             await self.replication.replica.close()

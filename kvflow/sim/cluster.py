@@ -77,6 +77,7 @@ from kvflow.sim import router_anchors as anchors
 from kvflow.sim.node import Policy, SimNode
 from kvflow.sim.request import BLOCK_TOKENS, SimRequest
 from kvflow.traces import belady_hit_rate
+from routing_api.hubs import Hubs, stay, warmup
 from routing_api.prefill import PrefillQueue, TtftTail, gate, guard
 from routing_api.scoring import (
     DEFAULT_WEIGHTS,
@@ -129,6 +130,8 @@ class SimResult:
     mean_queue_s: float = 0.0
     #: every request's time to first token (wait + its own prefill), in arrival order
     ttft_s: list[float] = field(default_factory=list, repr=False)
+    #: prefill tokens of the router's hub copies (:mod:`routing_api.hubs`; in ``prefill_tokens_per_node`` too)
+    warmup_tokens: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -161,7 +164,7 @@ class SimResult:
                 "max_over_mean_requests": round(self.max_over_mean_requests, 4),
                 "max_over_mean_prefill_tokens": round(self.max_over_mean_prefill, 4),
                 "mean_queue_s": round(self.mean_queue_s, 4), "ttft_p50_s": round(self.ttft_p50, 4),
-                "ttft_p99_s": round(self.ttft_p99, 4),
+                "ttft_p99_s": round(self.ttft_p99, 4), "warmup_tokens": self.warmup_tokens,
                 "requests_per_node": self.requests_per_node, "prefill_tokens_per_node": self.prefill_tokens_per_node}
 
 
@@ -274,6 +277,9 @@ class RouterPolicy:
         self.answers: list[tuple[float, int, NodeId]] = []
         self.sent: tuple[int, NodeId] | None = None
         self.key = 0
+        self.hubs = Hubs(weights.hub_fanout)
+        #: the hub copies (:mod:`routing_api.hubs`) its last decision sends: (node, blocks of the prompt, key)
+        self.warmups: list[tuple[int, int, int]] = []
 
     def admitted(self, first_token_at: float) -> None:
         """The request just chosen gets its first token at ``first_token_at``."""
@@ -299,18 +305,33 @@ class RouterPolicy:
         views = overlay(views, {}, inflight, req.t, work=self.work, tau=tau)  # as the router lays its state over
         decision = decide(len(prompt.digests), views, pm, self.weights, self.rng)
         gate(decision, self.queues, self.weights, ROUTER_PREFILL_TOKENS_PER_S, BLOCK_TOKENS, req.t)
+        warm = None
+        if self.hubs.fanout > 0:
+            hub = self.hubs.observe(prompt.digests)
+            stay(decision, hub, self.queues, req.t)
+            warm = warmup(decision, hub, self.queues, req.t)
         guard(decision, self.queues, self.tail, self.weights, ROUTER_PREFILL_TOKENS_PER_S, BLOCK_TOKENS, req.t)
+        if warm is not None:
+            target = warm.target.node_id
+            self.warmups.append((int(target), warm.blocks, self._send(target, warm.work, req.t)))
         chosen = decision.chosen
         assert chosen is not None
-        work = routed_work(chosen)
-        self.work[chosen.node_id] = self.work.get(chosen.node_id, RoutedWork()).plus(work, req.t, tau)
-        queue = self.queues.get(chosen.node_id)
-        if queue is None:
-            queue = self.queues[chosen.node_id] = PrefillQueue(BLOCK_TOKENS / ROUTER_PREFILL_TOKENS_PER_S)
-        self.key += 1
-        queue.add(self.key, work, req.t)
-        self.sent = (self.key, chosen.node_id)
+        self.sent = (self._send(chosen.node_id, routed_work(chosen), req.t), chosen.node_id)
         return int(chosen.node_id)
+
+    def _send(self, nid: NodeId, work: int, now: float) -> int:
+        """Count ``work`` blocks sent to ``nid`` as the router does (its routed work, its prefill queue)."""
+        self.work[nid] = self.work.get(nid, RoutedWork()).plus(work, now, self.weights.work_tau_s)
+        queue = self.queues.get(nid)
+        if queue is None:
+            queue = self.queues[nid] = PrefillQueue(BLOCK_TOKENS / ROUTER_PREFILL_TOKENS_PER_S)
+        self.key += 1
+        queue.add(self.key, work, now)
+        return self.key
+
+    def warmed(self, key: int, node: int, first_token_at: float) -> None:
+        """The hub copy sent as ``key`` gets its one token at ``first_token_at``."""
+        heapq.heappush(self.answers, (first_token_at, key, self.ids[node]))
 
 
 def make_policy(routing: str, *, nodes: int, capacity: int, weights: RoutingWeights | None,
@@ -379,6 +400,10 @@ def simulate(requests: Sequence[SimRequest], *, nodes: int, capacity: int, routi
         for nd in ns:
             nd.settle(req.t)
         k = 0 if pooled or policy is None else policy.choose(req, prompt, ns)
+        warmups = getattr(policy, "warmups", None)
+        while warmups:  # the hub copies the router sends with this decision
+            j, n, key = warmups.pop()
+            policy.warmed(key, j, _warm(ns[j], req, n, prefill_s_per_token, res))  # type: ignore[union-attr]
         nd = ns[k]
         nd.clock.set(max(nd.clock.now, req.t))
         hit = 0
@@ -419,6 +444,19 @@ def simulate(requests: Sequence[SimRequest], *, nodes: int, capacity: int, routi
         res.prefill_tokens_per_node = [nd.prefill_tokens for nd in ns]
     res.mean_queue_s = queue_total / max(1, len(requests))
     return res
+
+
+def _warm(nd: SimNode, req: SimRequest, blocks: int, prefill_s_per_token: float, res: SimResult) -> float:
+    """A hub copy on ``nd``: the first ``blocks`` of ``req``'s prompt prefilled there (the blocks it
+    lacks, in its prefill queue and its prefill tokens), one token, no decode. Returns when its token comes."""
+    nd.clock.set(max(nd.clock.now, req.t))
+    alloc = nd.core.allocate("w", _prompt(dataclasses.replace(req, keys=req.keys[:blocks])), None)
+    nd.core.free("w")
+    uncached = (blocks - alloc.num_cached_tokens // BLOCK_TOKENS) * BLOCK_TOKENS
+    prefill = uncached * prefill_s_per_token
+    nd.prefill_tokens += uncached
+    res.warmup_tokens += uncached
+    return nd.admit(req.t, blocks, prefill, 0.0) + prefill
 
 
 def simulate_seeds(requests: Sequence[SimRequest], *, seeds: int, routing: str, **kw: Any) -> SimResult:

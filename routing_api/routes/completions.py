@@ -34,6 +34,7 @@ from routing_api.proxy import Outgoing, forward
 from routing_api.retained import Retention, retain
 from routing_api.scoring import Candidate
 from routing_api.state import RouterState
+from routing_api.warmups import send_warmup
 
 router = APIRouter()
 
@@ -84,6 +85,7 @@ async def completions(req: ProxiedCompletion, request: Request, state: State,
     keyed = await key_node(state, tenant, model, req.prompt_cache_key)
     routed = await route(state, tokens, text, req.lora_id, tenant or req.cache_salt, req.model, key_node=keyed)
     sent = retain(state, routed, req, None, None, tenant, model)
+    send_warmup(state, routed, req.model, tenant or req.cache_salt, req.lora_id)
     return await _forward(state, routed, "/v1/completions", await request.body(), req, tenant, model, sent)
 
 
@@ -133,6 +135,7 @@ async def chat_completions(req: ProxiedChat, request: Request, state: State,
         sent = retain(state, routed, req, req, template, tenant, model)
     except PromptCacheError as exc:
         return error_response(400, str(exc), param=exc.param)
+    send_warmup(state, routed, model, tenant or req.cache_salt, req.lora_id)
     return await _forward(state, routed, "/v1/chat/completions", await request.body(), req, tenant, model, sent)
 
 

@@ -136,8 +136,13 @@ def test_kv_aware_load_is_the_routers_decide_with_its_load_as_the_router_knows_i
     nodes[0].core.free("x")
     p = RouterPolicy(RoutingWeights(overlap_weight=24.0, load_bound=0.0), random.Random(0))
     assert p.choose(req(0.1, range(1, 9)), prompt, nodes) == 0  # the cost alone: the cache wins
-    p = RouterPolicy(RoutingWeights(overlap_weight=24.0, load_bound=0.75, bound_gate=0.0), random.Random(0))
+    p = RouterPolicy(RoutingWeights(overlap_weight=24.0, load_bound=0.75, bound_gate=0.0, hub_fanout=0),
+                     random.Random(0))
     assert p.choose(req(0.1, range(1, 9)), prompt, nodes) in (1, 2)  # 16 + 8 queued > 1.75 x 32 / 3
+    # with hubs on, the request stays: node 0 holds its 8 blocks (none of them a hub's) and, as this
+    # router sees it, has no prefill queue (routing_api.hubs.stay)
+    p = RouterPolicy(RoutingWeights(overlap_weight=24.0, load_bound=0.75, bound_gate=0.0), random.Random(0))
+    assert p.choose(req(0.1, range(1, 9)), prompt, nodes) == 0
     # with the bound gate: this router sent node 0 nothing, so it sees no prefill queue there (0 s
     # against 8 blocks elsewhere): the bound costs the request time, and the cache wins again
     p = RouterPolicy(RoutingWeights(overlap_weight=24.0, load_bound=0.75, bound_gate=0.5), random.Random(0))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from routing_api.hubs import Hubs
 from tests.support import applied_through_id, fetch, heartbeats_idle, wait_for
 
 pytestmark = pytest.mark.integration
@@ -95,3 +96,33 @@ def test_a_node_that_fails_is_reported_as_an_upstream_error_and_avoided(fleet):
     again = router.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
     assert again.status_code == 200 and again.headers["x-kvflow-node"] == "node-a"
     assert router.get("/v1/stats").json()["upstream_errors"] == 1  # avoided: not tried again
+
+
+def test_a_hub_held_by_a_node_over_the_bound_is_copied_to_the_idle_node(fleet):
+    """The gate keeps a request on node-a, over the load bound but the only holder of the prompt's
+    hub (a system prompt that several prompts continue): the router copies the hub to node-b with
+    a completion of its token ids, and node-b then holds the same blocks (hashes as the router's)."""
+    router, db = fleet["router"], fleet["db"]
+    state = router.app.state.router
+    state.hubs = Hubs(2)  # a hub after two distinct continuations (the default is 16)
+    salt = {"cache_salt": "tenant-x"}
+    assert httpx.post(f"{fleet['a']}/v1/completions", timeout=30, json={
+        "prompt": SYSTEM + "first question, and a long one. " * 3, "max_tokens": 1, **salt}).status_code == 200
+    wait_for(lambda: applied_through_id(db, "node-a", min_blocks=12), 30, what="node-a's blocks in PostgreSQL")
+    for q in ("second", "third"):  # the routes teach the router the hub: block 12 is followed by 3 blocks
+        assert router.post("/v1/route", json={"prompt": SYSTEM + f"{q} question, and a long one. " * 3,
+                                              **salt}).json()["node_id"] == "node-a"
+    wait_for(lambda: idle(db), 30, what="both nodes idle in their heartbeats")
+    done = state.start_proxy("node-a", 200)  # node-a over the load bound: 200 blocks in hand, node-b none
+    try:
+        r = router.post("/v1/completions", json={"prompt": SYSTEM + "fourth question, and a long one. " * 3,
+                                                 "max_tokens": 2, **salt})
+        assert r.status_code == 200 and r.headers["x-kvflow-node"] == "node-a", r.text
+        assert state.recent[0]["reason"].startswith("bound gate: over the bound")
+    finally:
+        done("ok", ran=False)
+    wait_for(lambda: state.metrics.warmups.labels("node-b", "ok")._value.get() == 1, 30, what="the copy answered")
+    wait_for(lambda: applied_through_id(db, "node-b", min_blocks=12), 30, what="node-b's blocks in PostgreSQL")
+    cands = {c["node_id"]: c for c in router.post("/v1/route", json={
+        "prompt": SYSTEM + "fifth question, and a long one. " * 3, **salt}).json()["candidates"]}
+    assert cands["node-b"]["matched_blocks"] == 12 and cands["node-a"]["matched_blocks"] == 12
