@@ -10,11 +10,13 @@ each request in hand — counted by the router — until its last token at ``DEC
 
 kvflow's policy (``kv_aware_load``) is :func:`routing_api.scoring.decide` with the router's default
 weights (:data:`SIM_WEIGHTS` is :data:`~routing_api.scoring.DEFAULT_WEIGHTS`), then the bound gate
-and the queue tiebreak (:func:`routing_api.prefill.gate`) and the tail guard
-(:func:`routing_api.prefill.guard`). The policies that break ties at random (kvflow's, llm-d's,
-random: :data:`~kvflow.sim.cluster.SEEDED`) run at :data:`SEEDS` seeds and each of their figures is
-the median (:class:`~kvflow.sim.cluster.SeedMedian`; ``details.routing.runs[…].seeds`` holds every
-seed's). The runs are independent: they are spread over processes (one task per trace and capacity).
+and the queue tiebreak (:func:`routing_api.prefill.gate`), hubs (:mod:`routing_api.hubs`: a session
+kept where its context is, a hub's copy prefilled on its target node and counted in its prefill
+tokens) and the tail guard (:func:`routing_api.prefill.guard`). The policies that break ties at
+random (kvflow's, llm-d's, random: :data:`~kvflow.sim.cluster.SEEDED`) run at :data:`SEEDS` seeds and
+each of their figures is the median (:class:`~kvflow.sim.cluster.SeedMedian`;
+``details.routing.runs[…].seeds`` holds every seed's). The runs are independent: they are spread
+over processes (one task per trace and capacity).
 
 JSON (``BenchResult``): on the Mooncake trace at the reference capacity, as before,
 ``ratios.kv_aware_vs_pooled_hit_rate``, ``round_robin_…``, ``random_…``, ``figures.kv_aware_max_over_mean_load``
@@ -27,7 +29,8 @@ against the best of :data:`PEERS` on each figure (issue 41's goals), per trace a
 ``ratios.kv_aware_vs_best_peer_hit_rate.<trace>.<cap>`` (≥ 0.98), ``kv_aware_ttft_p50_vs_best_peer.…``
 (≤ 1.05), ``kv_aware_ttft_p99_vs_best_peer.…`` (≤ 1), their worst (``…_min`` / ``…_max``), and the
 same over the tuning and the validation traces apart (``….tuning``, ``….validation``;
-:data:`TUNING_FAMILIES`).
+:data:`TUNING_FAMILIES`); the share of kvflow's prefill tokens that were hub copies,
+``figures.kv_aware_warmup_share_max`` and per trace (each run's ``warmup_tokens``).
 """
 
 from __future__ import annotations
@@ -225,6 +228,10 @@ def routing_figures(res: BenchResult, study: RoutingStudy, reference: int) -> No
         res.figures[f"kv_aware_max_over_mean_load_worst_capacity.{t}"] = w["max_over_mean_prefill_worst"]
         res.ratios[f"kv_aware_ttft_p99_vs_round_robin_max.{t}"] = w["ttft_p99_vs_round_robin_max"]
         res.ratios[f"kv_aware_ttft_p99_vs_least_loaded_max.{t}"] = w["ttft_p99_vs_least_loaded_max"]
+        res.figures[f"kv_aware_warmup_share_max.{t}"] = max(_warmup_share(study.row(t, c, "kv_aware_load"))
+                                                             for c in study.capacities)
+    res.figures["kv_aware_warmup_share_max"] = max(_warmup_share(study.row(t, c, "kv_aware_load"))
+                                                   for t in study.traces for c in study.capacities)
     best_peer_figures(res, study)
     res.goals.update(GOALS)
     res.goals.update({"kv_aware_vs_pooled_hit_rate": ">= 0.95", "kv_aware_max_over_mean_load": "<= 1.15"})
@@ -235,6 +242,12 @@ def routing_figures(res: BenchResult, study: RoutingStudy, reference: int) -> No
         "tuning_traces": [t for t in study.traces if t in TUNING_FAMILIES],
         "prefill_s_per_token": PREFILL_S_PER_TOKEN, "decode_s_per_token": DECODE_S_PER_TOKEN,
         "runs": [r.as_dict() for r in study.rows.values()]}
+
+
+def _warmup_share(r: SimResult) -> float:
+    """The share of a run's prefill tokens that were the router's hub copies (``routing_api.hubs``)."""
+    total = sum(r.prefill_tokens_per_node)
+    return r.warmup_tokens / total if total else 0.0
 
 
 def _cell(v: float | None, fmt: str = ".3f") -> str:
@@ -253,9 +266,9 @@ def routing_report(study: RoutingStudy) -> list[str]:
              f"overlap weight {SIM_WEIGHTS.overlap_weight:g}, tail guard at the p{SIM_WEIGHTS.ttft_quantile * 100:g} "
              f"of predicted TTFT, tolerance {SIM_WEIGHTS.ttft_tolerance:g}, work slack "
              f"{SIM_WEIGHTS.ttft_work_slack:g}; bound gate {SIM_WEIGHTS.bound_gate:g}, queue tiebreak "
-             f"{'on' if SIM_WEIGHTS.queue_tiebreak else 'off'}). Peers: {', '.join(PEERS)} (the best of them on each "
-             f"figure). {', '.join(SEEDED)}: each figure the median over {study.seeds} seeds of their random "
-             f"tiebreak. Worst over capacities "
+             f"{'on' if SIM_WEIGHTS.queue_tiebreak else 'off'}, hub fanout {SIM_WEIGHTS.hub_fanout}). "
+             f"Peers: {', '.join(PEERS)} (the best of them on each figure). {', '.join(SEEDED)}: each figure "
+             f"the median over {study.seeds} seeds of their random tiebreak. Worst over capacities "
              f"{', '.join(f'{c:,}' for c in study.capacities)}:", "",
              "| trace | half | kvflow vs pooled (min) | busiest / mean prefill (worst) | "
              "TTFT p99 vs round-robin (max) | "

@@ -3,6 +3,7 @@ on small exact cases; the routing study's JSON names."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 from types import SimpleNamespace
@@ -125,6 +126,26 @@ def test_dynamos_default_weighs_a_block_to_prefill_as_one_block_of_load():
     light = simulate(reqs, routing="dynamo_default", **kw)
     assert (light.requests_per_node, light.hit_blocks) == ([1, 1, 0, 0], 0)
     assert DYNAMO_OVERLAP_WEIGHT == 1.0 and "dynamo_default" in PEERS
+
+
+def test_a_hub_kept_on_its_over_bound_node_is_copied_to_the_idle_one_and_the_next_session_starts_there():
+    # Three sessions start with the same 8 blocks (an agent type's tools), each with a block of its own,
+    # and stay in hand 10 s (decoding). Prefill: 1 ms a block.
+    reqs = [req(0.1 * i, (*range(1, 9), 100 + i), 1000) for i in range(3)]
+    kw: dict[str, Any] = {"nodes": 2, "capacity": 1000, "routing": "kv_aware_load", "eviction": "lru",
+                          "prefill_s_per_token": SECOND_PER_BLOCK / 1000, "decode_s_per_token": 0.01}
+    w = RoutingWeights(overlap_weight=24.0, load_bound=0.75, bound_gate=0.5, hub_fanout=2)
+    # The first goes to either (a tie, broken at random). The second goes to the same node over the load
+    # bound (18 blocks against 0: the gate, 1 block to prefill there against 9), and its prefix is a hub
+    # now (blocks 100 and 101 followed it): the other node gets the 8 blocks. The third finds them on
+    # both and goes to the other, the less loaded.
+    hubs = simulate(reqs, weights=w, **kw)
+    holder = hubs.requests_per_node.index(2)
+    assert (sorted(hubs.requests_per_node), hubs.hit_blocks, hubs.warmup_tokens) == ([1, 2], 16, 8 * BLOCK_TOKENS)
+    assert hubs.prefill_tokens_per_node[holder] == 10 * BLOCK_TOKENS
+    assert hubs.prefill_tokens_per_node[1 - holder] == 9 * BLOCK_TOKENS  # the copy is the other's work
+    off = simulate(reqs, weights=dataclasses.replace(w, hub_fanout=0), **kw)
+    assert (sorted(off.requests_per_node), off.hit_blocks, off.warmup_tokens) == ([0, 3], 16, 0)  # all on one
 
 
 def test_kv_aware_load_is_the_routers_decide_with_its_load_as_the_router_knows_it():
@@ -290,6 +311,11 @@ def test_every_policy_runs_and_the_study_reports_the_issues_names(tmp_path):
     tuning = [res.ratios[f"kv_aware_vs_best_peer_hit_rate.{t}.{c}"] for t in TUNING_FAMILIES for c in (100, 200)]
     assert res.ratios["kv_aware_vs_best_peer_hit_rate_min.tuning"] == min(tuning)
     assert "kv_aware_vs_best_peer_hit_rate_min.validation" in res.ratios
+    # the share of kvflow's prefill tokens that were hub copies (routing_api.hubs), worst over every run
+    runs = [study.row(t, c, "kv_aware_load") for t in study.traces for c in (100, 200)]
+    shares = [r.warmup_tokens / sum(r.prefill_tokens_per_node) for r in runs if sum(r.prefill_tokens_per_node)]
+    assert res.figures["kv_aware_warmup_share_max"] == max(shares)
+    assert "kv_aware_warmup_share_max.agentic" in res.figures
 
 
 def test_a_lighter_load_stretches_every_gap_and_a_queued_request_no_longer_waits():
