@@ -175,6 +175,8 @@ async def route(state: RouterState, token_ids: Sequence[int] | None, text: str |
         if stay(decision, hub, state.prefill, now) is not None:
             state.metrics.hub_stay.inc()
         warm = warmup(decision, hub, state.prefill, now)
+        if warm is not None and warm.target.block_size not in (0, fleet.block_size):
+            warm = None  # the hub is hashed in the decision's block size: a node of another size holds other blocks
     if guard(decision, state.prefill, state.tail, state.weights, state.settings.prefill_tokens_per_s,
              fleet.block_size, now) is not None:
         state.metrics.tail_guard.inc()
