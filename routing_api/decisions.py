@@ -163,7 +163,7 @@ async def route(state: RouterState, token_ids: Sequence[int] | None, text: str |
     views = overlay(fleet.views, state.suspect_until, state.inflight, time.monotonic(), state.finished,
                     state.work, state.weights.work_tau_s)
     decision = decide(prompt.blocks, views, matches, state.weights, state.rng, block_size=fleet.block_size,
-                      tokens=len(prompt.tokens), typical=state.typical)
+                      tokens=len(prompt.tokens))
     now = time.monotonic()
     if gate(decision, state.prefill, state.weights, state.settings.prefill_tokens_per_s, fleet.block_size,
             now) is not None:

@@ -22,7 +22,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from eventbus.protocol import NodeId
 from openai_api.chat import load_chat_template
 from openai_api.tokenizers import Tokenizer, load_tokenizer
-from routing_api.bounds import TypicalPrefill
 from routing_api.cache_keys import CacheKeys
 from routing_api.config import ApiKey, RouterSettings
 from routing_api.fleet import FleetView, fleet_view
@@ -141,8 +140,6 @@ class RouterState:
     tail: TtftTail = field(init=False)
     #: the continuations of the blocks routed lately (``routing_api.hubs``; fanout ``weights.hub_fanout``)
     hubs: Hubs = field(init=False)
-    #: a typical request's prefill, for the work bound's noise allowance (``routing_api.bounds``)
-    typical: TypicalPrefill = field(default_factory=TypicalPrefill)
     #: the hub copies being sent (``routing_api.warmups``): kept until they finish
     warming: set[asyncio.Task[None]] = field(default_factory=set)
     recent: collections.deque[dict[str, Any]] = field(default_factory=collections.deque)

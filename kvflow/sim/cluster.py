@@ -77,7 +77,6 @@ from kvflow.sim import router_anchors as anchors
 from kvflow.sim.node import Policy, SimNode
 from kvflow.sim.request import BLOCK_TOKENS, SimRequest
 from kvflow.traces import belady_hit_rate
-from routing_api.bounds import TypicalPrefill
 from routing_api.hubs import Hubs, stay, warmup
 from routing_api.prefill import PrefillQueue, TtftTail, gate, guard
 from routing_api.scoring import (
@@ -279,7 +278,6 @@ class RouterPolicy:
         self.sent: tuple[int, NodeId] | None = None
         self.key = 0
         self.hubs = Hubs(weights.hub_fanout)
-        self.typical = TypicalPrefill()
         #: the hub copies (:mod:`routing_api.hubs`) its last decision sends: (node, blocks of the prompt, key)
         self.warmups: list[tuple[int, int, int]] = []
 
@@ -305,7 +303,7 @@ class RouterPolicy:
             inflight[nid] = InHand(nd.inflight, nd.inflight_blocks)
         tau = self.weights.work_tau_s
         views = overlay(views, {}, inflight, req.t, work=self.work, tau=tau)  # as the router lays its state over
-        decision = decide(len(prompt.digests), views, pm, self.weights, self.rng, typical=self.typical)
+        decision = decide(len(prompt.digests), views, pm, self.weights, self.rng)
         gate(decision, self.queues, self.weights, ROUTER_PREFILL_TOKENS_PER_S, BLOCK_TOKENS, req.t)
         warm = None
         if self.hubs.fanout > 0:
