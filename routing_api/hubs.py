@@ -48,8 +48,8 @@ from eventbus.protocol import NodeId
 from routing_api.prefill import PrefillQueue
 from routing_api.scoring import Candidate, Decision
 
-#: Blocks whose continuations :class:`Hubs` remembers (about 100 bytes each with up to 16 continuations
-#: of 8 bytes: some 40 MB at most).
+#: Blocks whose continuations :class:`Hubs` remembers (about 150 bytes each with one continuation, the
+#: most common: some 40 MB when full; a block with several keeps a set of up to ``fanout``).
 HUB_MEMORY = 262_144
 
 
@@ -59,10 +59,15 @@ class Hubs:
     def __init__(self, fanout: int, memory: int = HUB_MEMORY) -> None:
         self.fanout = fanout
         self.memory = memory
-        self._next: OrderedDict[Hashable, set[Hashable]] = OrderedDict()
+        #: block → its one continuation, or the set of its distinct continuations once it has two
+        self._next: OrderedDict[Hashable, Hashable | set[Hashable]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._next)
+
+    def _count(self, block: Hashable) -> int:
+        seen = self._next.get(block, _NONE)
+        return 0 if seen is _NONE else len(seen) if isinstance(seen, set) else 1
 
     def observe(self, blocks: Sequence[Hashable]) -> int:
         """Record a prompt's blocks (their hashes, in order) and return its hub prefix in blocks: up to
@@ -71,23 +76,36 @@ class Hubs:
         if self.fanout <= 0:
             return 0
         hub = 0
-        nexts = self._next
+        nexts, fanout = self._next, self.fanout
         for i in range(len(blocks) - 1):
-            b = blocks[i]
-            seen = nexts.get(b)
-            if seen is None:
-                seen = nexts[b] = set()
+            b, after = blocks[i], blocks[i + 1]
+            seen = nexts.get(b, _NONE)
+            if seen is _NONE:
+                nexts[b] = after  # most blocks only ever have one: kept without a set
                 if len(nexts) > self.memory:
                     nexts.popitem(last=False)
+                n = 1
             else:
                 nexts.move_to_end(b)
-            if len(seen) < self.fanout:
-                seen.add(blocks[i + 1])
-            if len(seen) >= self.fanout:
+                if not isinstance(seen, set):
+                    if seen == after:
+                        n = 1
+                    else:
+                        nexts[b] = seen = {seen, after}
+                        n = 2
+                else:
+                    if len(seen) < fanout:
+                        seen.add(after)
+                    n = len(seen)
+            if n >= fanout:
                 hub = i + 1
-        if blocks and len(nexts.get(blocks[-1], ())) >= self.fanout:
+        if blocks and self._count(blocks[-1]) >= fanout:
             hub = len(blocks)  # the prompt is the hub itself (nothing of its own after it)
         return hub
+
+
+#: an absent entry of :class:`Hubs` (a continuation may be any hashable, None included)
+_NONE = object()
 
 
 def _idle(c: Candidate, queues: Mapping[NodeId, PrefillQueue], now: float) -> bool:

@@ -93,3 +93,10 @@ def test_nothing_is_copied_when_the_choice_is_within_the_bounds():
     d = _fleet({"a": 0, "b": 0}, {"a": 9})
     assert d.chosen.node_id == "a" and not d.chosen.over_bound
     assert warmup(d, 8, {}, now=0.0) is None
+
+
+def test_a_block_followed_by_one_block_again_and_again_is_no_hub_and_none_is_a_block_like_any():
+    h = Hubs(2)
+    for _ in range(5):
+        assert h.observe([None, 1, 2]) == 0  # the same continuations each time
+    assert h.observe([None, 7]) == 1  # None was followed by 1 and 7
