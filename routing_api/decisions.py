@@ -22,7 +22,7 @@ from eventbus.hashing import prompt_hash_heads
 from eventbus.protocol import NodeId
 from routing_api.errors import Unavailable
 from routing_api.fleet import FleetView
-from routing_api.hubs import Warmup, stay, warmup
+from routing_api.hubs import Warmup, after_gate
 from routing_api.prefill import gate, guard
 from routing_api.queries import DatabaseUnavailable
 from routing_api.schemas import decision_body
@@ -171,12 +171,10 @@ async def route(state: RouterState, token_ids: Sequence[int] | None, text: str |
     warm = None
     if state.hubs.fanout > 0 and not prompt.degraded:
         heads = prompt.hashes
-        hub = state.hubs.observe([heads[i:i + 8] for i in range(0, len(heads), 8)])
-        if stay(decision, hub, state.prefill, now) is not None:
+        stayed, warm = after_gate(state.hubs, decision, [heads[i:i + 8] for i in range(0, len(heads), 8)],
+                                  state.prefill, now, fleet.block_size)
+        if stayed is not None:
             state.metrics.hub_stay.inc()
-        warm = warmup(decision, hub, state.prefill, now)
-        if warm is not None and warm.target.block_size not in (0, fleet.block_size):
-            warm = None  # the hub is hashed in the decision's block size: a node of another size holds other blocks
     if guard(decision, state.prefill, state.tail, state.weights, state.settings.prefill_tokens_per_s,
              fleet.block_size, now) is not None:
         state.metrics.tail_guard.inc()

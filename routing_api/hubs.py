@@ -45,7 +45,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 from eventbus.protocol import NodeId
-from routing_api.prefill import PrefillQueue
+from routing_api.prefill import PrefillQueue, cost_choice, free_candidates
 from routing_api.scoring import Candidate, Decision
 
 #: Blocks whose continuations :class:`Hubs` remembers (about 150 bytes each with one continuation, the
@@ -113,12 +113,6 @@ def _idle(c: Candidate, queues: Mapping[NodeId, PrefillQueue], now: float) -> bo
     return q is None or q.wait(now) <= 0
 
 
-def _pure(decision: Decision) -> Candidate | None:
-    """The node the cost alone would choose (as the bound gate picks it)."""
-    free = [c for c in decision.candidates if c.eligible and not c.busy]
-    return min(free, key=lambda c: (c.cost, c.decode_blocks, c.node_id)) if free else None
-
-
 def stay(decision: Decision, hub_blocks: int, queues: Mapping[NodeId, PrefillQueue], now: float) -> Candidate | None:
     """Keep the request on the cost's choice when the bounds moved it off a node that holds its own
     context (more than its hub prefix) and has no prefill queue (module docstring). Returns that
@@ -126,7 +120,8 @@ def stay(decision: Decision, hub_blocks: int, queues: Mapping[NodeId, PrefillQue
     chosen = decision.chosen
     if chosen is None or chosen.over_bound:
         return None
-    pure = _pure(decision)
+    free = free_candidates(decision)
+    pure = cost_choice(free) if free else None
     if pure is None or pure is chosen or not pure.over_bound:
         return None
     if pure.matched_blocks <= max(hub_blocks, chosen.matched_blocks) or not _idle(pure, queues, now):
@@ -153,21 +148,35 @@ class Warmup:
         return max(0, self.blocks - self.target.matched_blocks)
 
 
-def warmup(decision: Decision, hub_blocks: int, queues: Mapping[NodeId, PrefillQueue], now: float) -> Warmup | None:
+def warmup(decision: Decision, hub_blocks: int, queues: Mapping[NodeId, PrefillQueue], now: float,
+           block_size: int = 0) -> Warmup | None:
     """The hub copy this decision calls for (module docstring), or None: the chosen node is over a
     bound and holds some of the prompt's hub prefix; the target is the eligible node within the
     bounds, not busy, without a prefill queue, holding less of the hub, with the least work lately
-    (then the fewest requests, then the id). Only nodes of the decision's block size are targets."""
+    (then the fewest requests, then the id). The hub is hashed in the decision's ``block_size`` (0:
+    every node's): a node of another size holds other blocks, and is neither copied from nor to."""
     chosen = decision.chosen
     if chosen is None or not chosen.over_bound:
         return None
     blocks = min(hub_blocks, chosen.matched_blocks)
-    if blocks <= 0:
-        return None
     size = chosen.block_size
+    if blocks <= 0 or (block_size and size not in (0, block_size)):
+        return None
     targets = [c for c in decision.candidates
                if c is not chosen and c.eligible and not c.busy and not c.over_bound and c.matched_blocks < blocks
                and c.block_size == size and _idle(c, queues, now)]
     if not targets:
         return None
     return Warmup(min(targets, key=lambda c: (c.work, c.requests, c.node_id)), blocks)
+
+
+def after_gate(hubs: Hubs, decision: Decision, blocks: Sequence[Hashable], queues: Mapping[NodeId, PrefillQueue],
+               now: float, block_size: int = 0) -> tuple[Candidate | None, Warmup | None]:
+    """Hubs' part of a decision, after the bound gate and before the tail guard (the router and the
+    simulator both): record the prompt's ``blocks`` in ``hubs``, then :func:`stay` and :func:`warmup`.
+    Returns the node the request stayed on (or None) and the copy to send (or None); nothing when
+    ``hubs.fanout`` is 0."""
+    if hubs.fanout <= 0:
+        return None, None
+    hub = hubs.observe(blocks)
+    return stay(decision, hub, queues, now), warmup(decision, hub, queues, now, block_size)

@@ -216,6 +216,16 @@ def guard(decision: Decision, queues: Mapping[NodeId, PrefillQueue], tail: TtftT
     return best
 
 
+def free_candidates(decision: Decision) -> list[Candidate]:
+    """The decision's candidates that may take the request whatever the bounds say: eligible, not busy."""
+    return [c for c in decision.candidates if c.eligible and not c.busy]
+
+
+def cost_choice(free: list[Candidate]) -> Candidate:
+    """The node the cost alone would choose among ``free`` (not empty), the bounds aside."""
+    return min(free, key=lambda c: (c.cost, c.decode_blocks, c.node_id))
+
+
 def gate(decision: Decision, queues: Mapping[NodeId, PrefillQueue], w: RoutingWeights, tokens_per_s: float,
          block_size: int, now: float) -> Candidate | None:
     """The bound gate and the queue tiebreak (module docstring), applied to ``decision`` before the tail
@@ -225,10 +235,10 @@ def gate(decision: Decision, queues: Mapping[NodeId, PrefillQueue], w: RoutingWe
     chosen = decision.chosen
     if chosen is None:
         return None
-    free = [c for c in decision.candidates if c.eligible and not c.busy]
+    free = free_candidates(decision)
     moved: Candidate | None = None
     if w.bound_gate > 0 and len(free) > 1:
-        pure = min(free, key=lambda c: (c.cost, c.decode_blocks, c.node_id))
+        pure = cost_choice(free)
         if pure is not chosen and pure.over_bound:
             mine = predicted_ttft(chosen, queues, tokens_per_s, block_size, now)
             theirs = predicted_ttft(pure, queues, tokens_per_s, block_size, now)

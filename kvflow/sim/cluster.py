@@ -77,7 +77,7 @@ from kvflow.sim import router_anchors as anchors
 from kvflow.sim.node import Policy, SimNode
 from kvflow.sim.request import BLOCK_TOKENS, SimRequest
 from kvflow.traces import belady_hit_rate
-from routing_api.hubs import Hubs, stay, warmup
+from routing_api.hubs import Hubs, after_gate
 from routing_api.prefill import PrefillQueue, TtftTail, gate, guard
 from routing_api.scoring import (
     DEFAULT_WEIGHTS,
@@ -305,11 +305,7 @@ class RouterPolicy:
         views = overlay(views, {}, inflight, req.t, work=self.work, tau=tau)  # as the router lays its state over
         decision = decide(len(prompt.digests), views, pm, self.weights, self.rng)
         gate(decision, self.queues, self.weights, ROUTER_PREFILL_TOKENS_PER_S, BLOCK_TOKENS, req.t)
-        warm = None
-        if self.hubs.fanout > 0:
-            hub = self.hubs.observe(prompt.digests)
-            stay(decision, hub, self.queues, req.t)
-            warm = warmup(decision, hub, self.queues, req.t)
+        _stayed, warm = after_gate(self.hubs, decision, prompt.digests, self.queues, req.t)
         guard(decision, self.queues, self.tail, self.weights, ROUTER_PREFILL_TOKENS_PER_S, BLOCK_TOKENS, req.t)
         if warm is not None:
             target = warm.target.node_id

@@ -5,7 +5,7 @@ request on an over-bound holder."""
 from __future__ import annotations
 
 from routing_api.config import RouterSettings
-from routing_api.hubs import HUB_MEMORY, Hubs, stay, warmup
+from routing_api.hubs import HUB_MEMORY, Hubs, after_gate, stay, warmup
 from routing_api.prefill import PrefillQueue, gate
 from routing_api.scoring import DEFAULT_WEIGHTS, NodeView, PrefixMatch, decide
 from tests.routing_api.weights import weights
@@ -87,6 +87,18 @@ def test_the_hub_is_copied_to_the_idle_node_with_the_least_work_that_holds_less_
     assert warmup(d, 12, {}, now=0.0).blocks == 9  # only what the holder holds of a longer hub
     assert warmup(d, 0, {}, now=0.0) is None  # no hub
     assert warmup(d, 8, {"b": _queue(1), "c": _queue(1), "d": _queue(1)}, now=0.0) is None  # no idle target
+    assert warmup(d, 8, {}, now=0.0, block_size=16).target.node_id == "d"
+    assert warmup(d, 8, {}, now=0.0, block_size=32) is None  # the hub hashed in 32-token blocks: a holds others
+
+
+def test_after_the_gate_hubs_learn_then_stay_then_copy_and_do_nothing_at_fanout_zero():
+    d = _fleet({"a": 100, "b": 0, "c": 0}, {"a": 8})
+    assert after_gate(Hubs(0), d, list(range(10)), {}, now=0.0) == (None, None) and d.chosen.node_id == "b"
+    h = Hubs(2)
+    h.observe([1, 2, 3, 50])
+    stayed, warm = after_gate(h, d, [1, 2, 3, 60], {}, now=0.0)  # block 3 followed by 50 and 60: a hub of 3
+    assert stayed.node_id == "a" and d.chosen is stayed  # a holds 8 blocks, more than the hub's 3
+    assert (warm.target.node_id, warm.blocks) == ("b", 3)  # and a, over the bound, holds the hub: copied
 
 
 def test_nothing_is_copied_when_the_choice_is_within_the_bounds():
