@@ -67,6 +67,9 @@ class RouterSettings(BaseSettings):
     queue_tiebreak: bool = Field(default=W.queue_tiebreak, description=(
         "When the choice has a prefill queue, a node holding at least as much of the prompt where it starts "
         "sooner takes the request (false: off)."))
+    noise_allowance: float = Field(default=W.noise_allowance, ge=0, description=(
+        "The load bound is never tighter than the fleet's mean load plus this many spreads of a sum of requests "
+        "in hand (sqrt(mean x blocks per request)): a node's share of a few requests is not imbalance (0: off)."))
     hub_fanout: int = Field(default=W.hub_fanout, ge=0, description=(
         "Hubs: a prefix that this many distinct prompts continue is copied (a one-token prefill of its tokens) "
         "to a light idle node when the bound gate keeps a request on an over-bound node holding it, and a "

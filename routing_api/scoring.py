@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from eventbus.protocol import DEFAULT_PRIORITY, NodeId
+from routing_api.bounds import bounded_loads, load_cap, with_allowance, within_bound
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,9 @@ class RoutingWeights:
     queue_tiebreak: bool = True
     #: Hubs (:mod:`routing_api.hubs`): a prefix this many distinct blocks followed is copied ahead; 0: off.
     hub_fanout: int = 16
+    #: The load bound never tighter than the mean plus this many spreads of a sum of requests in hand
+    #: (:mod:`routing_api.bounds`); 0: off.
+    noise_allowance: float = 2.0
 
 
 #: The one home of the weights' defaults (``RouterSettings`` takes its defaults from here).
@@ -368,8 +372,9 @@ def decide(total: int, nodes: Sequence[NodeView], matches: Mapping[NodeId, Prefi
 def _choose(eligible: list[Candidate], ref: float, w: RoutingWeights,
             rng: random.Random | None) -> tuple[Candidate, list[Candidate]]:
     """The choice among the eligible candidates, and the pool it was made from: busy nodes out
-    (unless all are), then — with ``load_bound`` — the nodes over the bound out, the lowest cost
-    wins (sampled with ``temperature``; with the bound, ties at random)."""
+    (unless all are), then — with ``load_bound`` — the nodes over the bounds out (the load bound with
+    its noise allowance, :mod:`routing_api.bounds`), the lowest cost wins (sampled with
+    ``temperature``; with the bound, ties at random)."""
     if w.load_bound > 0:
         bounded_loads(eligible, w)
     pool = [c for c in eligible if not c.busy] or eligible
@@ -377,7 +382,10 @@ def _choose(eligible: list[Candidate], ref: float, w: RoutingWeights,
         if c.busy and c not in pool:
             c.reason = c.reason or "over the load threshold"
     if w.load_bound > 0 and len(pool) > 1:
-        pool = within_bound(pool, load_cap([c.decode_blocks for c in eligible], ref, w.load_bound))
+        cap = load_cap([c.decode_blocks for c in eligible], ref, w.load_bound)
+        requests = sum(c.requests for c in eligible)
+        unit = sum(c.decode_blocks for c in eligible) / requests if requests else ref
+        pool = within_bound(pool, with_allowance(cap, w.load_bound, unit, w.noise_allowance))
     if w.load_bound > 0 and w.work_bound > 0 and len(pool) > 1:
         least = min(c.prefill_blocks for c in pool)
         pool = within_bound(pool, load_cap([c.work for c in eligible], least, w.work_bound), work=True)
@@ -391,72 +399,6 @@ def _choose(eligible: list[Candidate], ref: float, w: RoutingWeights,
     elif w.load_bound > 0 and rng is not None and len(pool) > 1:
         chosen = _any_of_the_best(pool, rng)
     return chosen, pool
-
-
-def bounded_loads(cands: Sequence[Candidate], w: RoutingWeights) -> None:
-    """Each candidate's load for the bound and the cost: its blocks in hand (``decode_blocks``), but
-    each request in hand counted at least at the fleet's mean blocks per request in hand.
-
-    Blocks alone make a node serving many short prompts look light: it attracts every new prompt,
-    and its requests are the ones with the most to prefill (the short prompts nothing else shares),
-    while a node under a hot prefix holds long prompts that it barely computes. Requests alone let
-    long prompts pile up behind one another. A node is as loaded as the larger of the two, in blocks.
-    ``cost`` is updated with the load.
-    """
-    blocks = sum(c.decode_blocks for c in cands)
-    requests = sum(c.requests for c in cands)
-    if not requests:
-        return
-    per_request = blocks / requests
-    for c in cands:
-        load = max(c.decode_blocks, c.requests * per_request)
-        if load != c.decode_blocks:
-            c.decode_blocks = load
-            c.cost = w.overlap_weight * c.prefill_blocks + load
-
-
-def load_cap(loads: Sequence[float], request: float, bound: float) -> float:
-    """The load bound: ``(1 + bound)`` × the fleet's mean load with the request counted.
-
-    Consistent hashing with bounded loads (Mirrokni, Thorup & Zadimoghaddam, SODA 2018) gives each
-    bin a capacity of ``⌈(1 + ε) m / n⌉`` for ``m`` balls (the new one counted) in ``n`` bins; a full
-    bin takes no more, and the ball goes on to the next. Here a request weighs its prompt blocks.
-
-    Args:
-        loads: every eligible node's load (``decode_blocks``: the blocks it has in hand, in units).
-        request: the request's blocks (what the router's in-flight count of its node takes on).
-        bound: ε > 0.
-    """
-    return (1 + bound) * (sum(loads) + request) / len(loads)
-
-
-def within_bound(pool: Sequence[Candidate], cap: float, work: bool = False) -> list[Candidate]:
-    """The candidates of ``pool`` not over the load bound: whose load is at most ``cap``.
-
-    A node over it takes no more requests, whatever it holds: a prefix it holds goes to the best
-    node within the bound, which then holds it too, so a hot prefix ends up on as many nodes as its
-    load needs. A node within the bound may take any request, however long (requests are not unit
-    balls: a long prompt would otherwise find no node but an idle one), so a node's load exceeds
-    ``cap`` by at most the request it took last — as the bound's rounding lets a bin exceed
-    ``(1 + ε) m / n`` by less than one ball. If every node is over (possible only when the nodes
-    over the load threshold were filtered out first), the least loaded ones remain.
-    Candidates left out are marked ``over_bound``. ``work``: the bound on the prefill work routed
-    lately (``Candidate.work``, the request's least prefill counted) instead of the load in hand.
-    """
-    def of(c: Candidate) -> float:
-        return c.work + c.prefill_blocks if work else c.decode_blocks
-
-    ok = [c for c in pool if of(c) <= cap]
-    if not ok:
-        lowest = min(of(c) for c in pool)
-        ok = [c for c in pool if of(c) == lowest]
-    within = {id(c) for c in ok}
-    what = "blocks of prefill work, routed lately and this one's" if work else "blocks of load"
-    for c in pool:
-        if id(c) not in within:
-            c.over_bound = True
-            c.reason = c.reason or f"over the load bound: {of(c):.0f} {what} > {cap:.1f}"
-    return ok
 
 
 def _any_of_the_best(pool: list[Candidate], rng: random.Random) -> Candidate:

@@ -96,7 +96,7 @@ def _hot(n: int, gap: float) -> list[SimRequest]:
 
 
 def test_a_hot_prefix_is_replicated_to_a_second_node_only_when_its_node_is_over_the_bound():
-    w = RoutingWeights(overlap_weight=24.0, load_bound=0.75)
+    w = RoutingWeights(overlap_weight=24.0, noise_allowance=0.0, load_bound=0.75)
     kw: dict[str, Any] = {"nodes": 4, "capacity": 1000, "routing": "kv_aware_load", "eviction": "lru", "weights": w,
                           "prefill_s_per_token": SECOND_PER_BLOCK / 10, "decode_s_per_token": 0.01}
     # Slow traffic: each request finds the fleet idle; the prefix stays on one node, and hits every time after the
@@ -134,7 +134,7 @@ def test_a_hub_kept_on_its_over_bound_node_is_copied_to_the_idle_one_and_the_nex
     reqs = [req(0.1 * i, (*range(1, 9), 100 + i), 1000) for i in range(3)]
     kw: dict[str, Any] = {"nodes": 2, "capacity": 1000, "routing": "kv_aware_load", "eviction": "lru",
                           "prefill_s_per_token": SECOND_PER_BLOCK / 1000, "decode_s_per_token": 0.01}
-    w = RoutingWeights(overlap_weight=24.0, load_bound=0.75, bound_gate=0.5, hub_fanout=2)
+    w = RoutingWeights(overlap_weight=24.0, load_bound=0.75, bound_gate=0.5, hub_fanout=2, noise_allowance=0.0)
     # The first goes to either (a tie, broken at random). The second goes to the same node over the load
     # bound (18 blocks against 0: the gate, 1 block to prefill there against 9), and its prefix is a hub
     # now (blocks 100 and 101 followed it): the other node gets the 8 blocks. The third finds them on
@@ -157,16 +157,16 @@ def test_kv_aware_load_is_the_routers_decide_with_its_load_as_the_router_knows_i
     nodes[0].core.free("x")
     p = RouterPolicy(RoutingWeights(overlap_weight=24.0, load_bound=0.0), random.Random(0))
     assert p.choose(req(0.1, range(1, 9)), prompt, nodes) == 0  # the cost alone: the cache wins
-    p = RouterPolicy(RoutingWeights(overlap_weight=24.0, load_bound=0.75, bound_gate=0.0, hub_fanout=0),
-                     random.Random(0))
+    bound = RoutingWeights(overlap_weight=24.0, noise_allowance=0.0, load_bound=0.75, bound_gate=0.0)
+    p = RouterPolicy(dataclasses.replace(bound, hub_fanout=0), random.Random(0))
     assert p.choose(req(0.1, range(1, 9)), prompt, nodes) in (1, 2)  # 16 + 8 queued > 1.75 x 32 / 3
     # with hubs on, the request stays: node 0 holds its 8 blocks (none of them a hub's) and, as this
     # router sees it, has no prefill queue (routing_api.hubs.stay)
-    p = RouterPolicy(RoutingWeights(overlap_weight=24.0, load_bound=0.75, bound_gate=0.0), random.Random(0))
+    p = RouterPolicy(bound, random.Random(0))
     assert p.choose(req(0.1, range(1, 9)), prompt, nodes) == 0
     # with the bound gate: this router sent node 0 nothing, so it sees no prefill queue there (0 s
     # against 8 blocks elsewhere): the bound costs the request time, and the cache wins again
-    p = RouterPolicy(RoutingWeights(overlap_weight=24.0, load_bound=0.75, bound_gate=0.5), random.Random(0))
+    p = RouterPolicy(dataclasses.replace(bound, bound_gate=0.5), random.Random(0))
     assert p.choose(req(0.1, range(1, 9)), prompt, nodes) == 0
 
 
@@ -175,7 +175,7 @@ def test_the_router_policy_keeps_the_prefill_work_it_routed_as_the_router_does()
     held = Prompt.from_block_keys(range(1, 9), BLOCK_TOKENS)
     nodes[1].core.allocate("x", held)
     nodes[1].core.free("x")
-    w = RoutingWeights(overlap_weight=24.0, load_bound=0.75, work_bound=0.25, work_tau_s=10.0)
+    w = RoutingWeights(overlap_weight=24.0, noise_allowance=0.0, load_bound=0.75, work_bound=0.25, work_tau_s=10.0)
     p = RouterPolicy(w, random.Random(0))
     more = Prompt.from_block_keys(range(1, 13), BLOCK_TOKENS)  # 8 blocks held on node 1, 4 more
     assert p.choose(req(0.0, range(1, 13)), more, nodes) == 1
