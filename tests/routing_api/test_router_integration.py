@@ -113,14 +113,18 @@ def test_a_hub_held_by_a_node_over_the_bound_is_copied_to_the_idle_node(fleet):
         assert router.post("/v1/route", json={"prompt": SYSTEM + f"{q} question, and a long one. " * 3,
                                               **salt}).json()["node_id"] == "node-a"
     wait_for(lambda: idle(db), 30, what="both nodes idle in their heartbeats")
-    done = state.start_proxy("node-a", 200)  # node-a over the load bound: 200 blocks in hand, node-b none
+    # node-a over the load bound: 25 requests of 8 blocks in hand, node-b none (many requests, so beyond
+    # the bound's noise allowance too: with the prompt's ~14 blocks the mean is ~107, and
+    # max(1.75 × 107, 107 + 2 √(107 × 8)) ≈ 187 < 200; as one request of 200 blocks it would be within it)
+    dones = [state.start_proxy("node-a", 8) for _ in range(25)]
     try:
         r = router.post("/v1/completions", json={"prompt": SYSTEM + "fourth question, and a long one. " * 3,
                                                  "max_tokens": 2, **salt})
         assert r.status_code == 200 and r.headers["x-kvflow-node"] == "node-a", r.text
         assert state.recent[0]["reason"].startswith("bound gate: over the bound")
     finally:
-        done("ok", ran=False)
+        for done in dones:
+            done("ok", ran=False)
     wait_for(lambda: state.metrics.warmups.labels("node-b", "ok")._value.get() == 1, 30, what="the copy answered")
     wait_for(lambda: applied_through_id(db, "node-b", min_blocks=12), 30, what="node-b's blocks in PostgreSQL")
     cands = {c["node_id"]: c for c in router.post("/v1/route", json={
