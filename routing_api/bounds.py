@@ -15,8 +15,8 @@ the larger and nothing changes.
 The work bound has no allowance: it counts the prefill routed over a window of ``work_tau_s``
 (60 s), many requests even on a light fleet, so it is an average already, and it is what keeps a
 node that the cache keeps choosing (a hub's holder, an agent type's tools) from taking more than
-its share of the prefill. With the allowance on both bounds, such nodes took 1.17–1.25 × the mean
-prefill on the tuning families (docs/research/2026-12-router-noise-allowance.md).
+its share of the prefill. With the allowance on both bounds, such nodes took 1.18 × the mean
+prefill on system_prompt and 1.24 × on hot_prefixes (docs/research/2026-12-router-noise-allowance.md).
 """
 
 from __future__ import annotations
