@@ -23,10 +23,30 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
-if TYPE_CHECKING:
-    from routing_api.scoring import Candidate, RoutingWeights
+
+class Bounded(Protocol):
+    """What the bounds read and set of a candidate (``routing_api.scoring.Candidate``; a protocol, so
+    that this module imports nothing of the scoring that imports it)."""
+
+    decode_blocks: float
+    requests: int
+    prefill_blocks: float
+    work: float
+    cost: float
+    over_bound: bool
+    reason: str
+
+
+class OverlapWeight(Protocol):
+    """The weight the cost is recomputed with (``routing_api.scoring.RoutingWeights``)."""
+
+    @property
+    def overlap_weight(self) -> float: ...
+
+
+C = TypeVar("C", bound=Bounded)
 
 
 def with_allowance(cap: float, bound: float, unit: float, z: float) -> float:
@@ -37,7 +57,7 @@ def with_allowance(cap: float, bound: float, unit: float, z: float) -> float:
     return max(cap, mean + z * math.sqrt(max(mean, 0.0) * max(unit, 0.0)))
 
 
-def bounded_loads(cands: Sequence[Candidate], w: RoutingWeights) -> None:
+def bounded_loads(cands: Sequence[Bounded], w: OverlapWeight) -> None:
     """Each candidate's load for the bound and the cost: its blocks in hand (``decode_blocks``), but
     each request in hand counted at least at the fleet's mean blocks per request in hand.
 
@@ -74,7 +94,7 @@ def load_cap(loads: Sequence[float], request: float, bound: float) -> float:
     return (1 + bound) * (sum(loads) + request) / len(loads)
 
 
-def within_bound(pool: Sequence[Candidate], cap: float, work: bool = False) -> list[Candidate]:
+def within_bound(pool: Sequence[C], cap: float, work: bool = False) -> list[C]:
     """The candidates of ``pool`` not over the load bound: whose load is at most ``cap``.
 
     A node over it takes no more requests, whatever it holds: a prefix it holds goes to the best
@@ -87,7 +107,7 @@ def within_bound(pool: Sequence[Candidate], cap: float, work: bool = False) -> l
     Candidates left out are marked ``over_bound``. ``work``: the bound on the prefill work routed
     lately (``Candidate.work``, the request's least prefill counted) instead of the load in hand.
     """
-    def of(c: Candidate) -> float:
+    def of(c: C) -> float:
         return c.work + c.prefill_blocks if work else c.decode_blocks
 
     ok = [c for c in pool if of(c) <= cap]
